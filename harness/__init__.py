@@ -1,0 +1,1 @@
+"""Numerical-correctness harness for parallel training: configs, warm rank pool, comparison, goldens."""

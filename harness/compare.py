@@ -1,0 +1,160 @@
+"""Compare a result (logical tensors) against an expectation and explain any divergence.
+
+A mismatch reads as a table, one row per tensor that fails: the worst element, both values, the
+absolute and relative error, the tolerance there, how far over it is, the ratio of norms (about
+``tp``, ``1/dp`` or the microbatch count names a scaling bug) and which ranks' shards hold bad values.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .layout import Assembled
+from .tolerance import Tolerance
+
+
+@dataclass
+class Row:
+    tensor: str
+    ok: bool
+    problem: str = ""  # "mismatch", "nan", "missing", "shape", "replicas"
+    worst_index: tuple = ()
+    actual: float = math.nan
+    expected: float = math.nan
+    abs_err: float = 0.0
+    rel_err: float = 0.0
+    tol: float = 0.0
+    ratio: float = 0.0  # abs_err / tol at the worst element; > 1 fails
+    norm_ratio: float = 1.0
+    bad: str = ""  # "k/n" elements over tolerance
+    ranks: str = ""  # ranks whose local shards hold bad elements
+
+
+@dataclass
+class Report:
+    rows: list[Row] = field(default_factory=list)
+    bit_identical: bool = True
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.rows)
+
+    @property
+    def worst_ratio(self) -> float:
+        return max((r.ratio for r in self.rows), default=0.0)
+
+    def failing(self) -> list[Row]:
+        return [r for r in self.rows if not r.ok]
+
+    def table(self, only_failing: bool = True) -> str:
+        import pandas as pd
+
+        rows = self.failing() if only_failing else self.rows
+        frame = pd.DataFrame(
+            [
+                {
+                    "tensor": r.tensor,
+                    "problem": r.problem or "ok",
+                    "worst index": "(" + ",".join(map(str, r.worst_index)) + ")" if r.worst_index else "",
+                    "actual": r.actual,
+                    "expected": r.expected,
+                    "abs err": r.abs_err,
+                    "rel err": r.rel_err,
+                    "tol": r.tol,
+                    "err/tol": r.ratio,
+                    "norm ratio": r.norm_ratio,
+                    "bad": r.bad,
+                    "bad ranks": r.ranks,
+                }
+                for r in rows
+            ]
+        )
+        with pd.option_context("display.width", 250, "display.max_columns", 20, "display.max_colwidth", 40):
+            return frame.to_string(index=False, float_format=lambda v: f"{v:.4g}")
+
+
+def _as_assembled(value) -> Assembled:
+    if isinstance(value, Assembled):
+        return value
+    return Assembled(value, {}, 0.0, None)
+
+
+def compare(actual: dict, expected: dict[str, torch.Tensor], tol: Tolerance) -> Report:
+    """Hold every tensor of ``actual`` (logical tensors or :class:`Assembled`) against ``expected``."""
+    report = Report()
+    for name in sorted(set(expected) | set(actual)):
+        if name not in actual:
+            report.rows.append(Row(name, False, "missing", bad="not in result"))
+            report.bit_identical = False
+            continue
+        if name not in expected:
+            report.rows.append(Row(name, False, "missing", bad="not in expectation"))
+            report.bit_identical = False
+            continue
+        got = _as_assembled(actual[name])
+        report.rows.extend(_compare_one(name, got, expected[name], tol, report))
+    return report
+
+
+def _compare_one(name: str, got: Assembled, want: torch.Tensor, tol: Tolerance, report: Report) -> list[Row]:
+    a, b = got.tensor, want
+    if tuple(a.shape) != tuple(b.shape):
+        report.bit_identical = False
+        return [Row(name, False, "shape", bad=f"{tuple(a.shape)} vs {tuple(b.shape)}")]
+    if a.dtype != b.dtype or not torch.equal(a, b):
+        report.bit_identical = False
+    a64, b64 = a.double(), b.double()
+    allowed = tol.allowed(b64)
+    err = (a64 - b64).abs()
+    # NaN/Inf where the expectation is finite is the worst possible error.
+    nonfinite = ~torch.isfinite(a64) & torch.isfinite(b64)
+    err = torch.where(nonfinite, torch.full_like(err, math.inf), err.nan_to_num(nan=0.0))
+    ratio = err / allowed.clamp_min(torch.finfo(torch.float64).tiny)
+    bad = ratio > 1
+    rows = []
+    if a.numel():
+        worst = int(ratio.flatten().argmax())
+        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), a.shape)) if a.dim() else ()
+        norm_b = float(b64.norm())
+        norm_ratio = float(a64.norm()) / norm_b if norm_b else (1.0 if float(a64.norm()) == 0 else math.inf)
+        bad_ranks = [
+            r for r, index in sorted(got.index.items()) if bad[torch.meshgrid(*index, indexing="ij")].any()
+        ] if bad.any() else []
+        rows.append(
+            Row(
+                tensor=name,
+                ok=not bool(bad.any()),
+                problem="" if not bad.any() else ("nan/inf" if bool(nonfinite.any()) else "mismatch"),
+                worst_index=idx,
+                actual=float(a64.flatten()[worst]),
+                expected=float(b64.flatten()[worst]),
+                abs_err=float(err.flatten()[worst]),
+                rel_err=float(err.flatten()[worst] / b64.flatten()[worst].abs()) if float(b64.flatten()[worst]) else math.inf,
+                tol=float(allowed.flatten()[worst]),
+                ratio=float(ratio.flatten()[worst]),
+                norm_ratio=norm_ratio,
+                bad=f"{int(bad.sum())}/{a.numel()}",
+                ranks=",".join(map(str, bad_ranks)),
+            )
+        )
+    else:
+        rows.append(Row(name, True, bad="0/0"))
+    # Replicas of one element must agree: a gap beyond tolerance is a bug even if one copy is right.
+    floor = float(allowed.min()) if allowed.numel() else 0.0
+    if got.replica_gap > floor:
+        i, j = got.replica_gap_ranks
+        rows.append(
+            Row(
+                tensor=name,
+                ok=False,
+                problem="replicas",
+                abs_err=got.replica_gap,
+                tol=floor,
+                ratio=got.replica_gap / floor if floor else math.inf,
+                bad=f"ranks {i} and {j} hold different copies",
+                ranks=f"{i},{j}",
+            )
+        )
+    return rows

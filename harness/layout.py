@@ -1,0 +1,186 @@
+"""Where each rank's local piece sits in the logical (full) tensor.
+
+Two pure-Python/plain-torch models live here, used on both sides of the pool:
+
+* :class:`MeshLayout`: named mesh dims laid out row-major over ranks ``0..world-1`` (the same
+  convention as ``DeviceMesh(torch.arange(world).view(shape))``): rank <-> coordinates and each
+  dim's groups. ``tests/test_mesh.py`` checks real ``DeviceMesh`` groups against it.
+* placements (:class:`Shard`, replicate when a mesh dim is not named) and :class:`Piece`, the local
+  tensor a rank returns, which :func:`assemble` turns back into the logical tensor.
+
+Sharding follows ``torch.chunk`` semantics (ceil-sized chunks, trailing ranks may get fewer or none),
+which is also what DTensor does for uneven shards.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Row-major layout of named mesh dims over ranks ``0..world-1``."""
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, mesh: tuple[tuple[str, int], ...]) -> "MeshLayout":
+        return cls(tuple(n for n, _ in mesh), tuple(d for _, d in mesh))
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.shape)
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} is outside a mesh of {self.world} ranks")
+        out = []
+        for degree in reversed(self.shape):
+            out.append(rank % degree)
+            rank //= degree
+        return tuple(reversed(out))
+
+    def rank_of(self, coords: tuple[int, ...]) -> int:
+        rank = 0
+        for c, degree in zip(coords, self.shape):
+            rank = rank * degree + c
+        return rank
+
+    def coord(self, rank: int, name: str) -> int:
+        return self.coords(rank)[self.names.index(name)]
+
+    def groups(self, name: str) -> list[list[int]]:
+        """Ranks that vary only along ``name``, one list per fixed setting of the other dims."""
+        axis = self.names.index(name)
+        others = [range(d) for i, d in enumerate(self.shape) if i != axis]
+        groups = []
+        for fixed in itertools.product(*others):
+            group = []
+            for c in range(self.shape[axis]):
+                coords = list(fixed)
+                coords.insert(axis, c)
+                group.append(self.rank_of(tuple(coords)))
+            groups.append(group)
+        return groups
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Tensor dim ``dim`` is split across a mesh dim.
+
+    ``packs``: the dim is ``packs`` equal blocks (packed gate/up weights); each block is chunked and
+    a rank holds its chunk of every block, concatenated. ``zigzag``: the dim is cut in ``2n`` chunks
+    and coordinate ``c`` holds chunks ``c`` and ``2n-1-c`` (load-balanced causal attention).
+    """
+
+    dim: int
+    packs: int = 1
+    zigzag: bool = False
+
+
+def chunk_bounds(size: int, n: int, i: int) -> tuple[int, int]:
+    """Start and end of chunk ``i`` of ``n`` over ``size`` items, as ``torch.chunk`` cuts it."""
+    step = -(-size // n)
+    return min(i * step, size), min((i + 1) * step, size)
+
+
+def shard_indices(index: torch.Tensor, shard: Shard, n: int, c: int) -> torch.Tensor:
+    """The entries of a 1-D index vector that coordinate ``c`` of ``n`` holds under ``shard``."""
+    if shard.zigzag:
+        parts = [index[slice(*chunk_bounds(len(index), 2 * n, k))] for k in (c, 2 * n - 1 - c)]
+        return torch.cat(parts)
+    if len(index) % shard.packs:
+        raise ValueError(f"dim of {len(index)} does not split into {shard.packs} packed blocks")
+    blocks = index.view(shard.packs, -1)
+    lo, hi = chunk_bounds(blocks.shape[1], n, c)
+    return blocks[:, lo:hi].reshape(-1)
+
+
+@dataclass
+class Piece:
+    """A rank's local part of a logical tensor of ``shape``, placed by mesh-dim name.
+
+    Mesh dims absent from ``placements`` are replicated: every coordinate along them holds the same
+    values, and :func:`assemble` checks that they do.
+    """
+
+    tensor: torch.Tensor
+    shape: tuple[int, ...]
+    placements: dict[str, Shard] = field(default_factory=dict)
+
+    @classmethod
+    def full(cls, tensor: torch.Tensor) -> "Piece":
+        return cls(tensor.detach().cpu(), tuple(tensor.shape))
+
+    @classmethod
+    def sharded(cls, tensor: torch.Tensor, shape, **placements: Shard) -> "Piece":
+        return cls(tensor.detach().cpu(), tuple(shape), dict(placements))
+
+
+def piece_index(piece: Piece, layout: MeshLayout, rank: int) -> list[torch.Tensor]:
+    """Per tensor dim, the logical indices that ``rank``'s piece covers (nested shards apply in mesh order)."""
+    index = [torch.arange(s) for s in piece.shape]
+    coords = layout.coords(rank)
+    for name, n, c in zip(layout.names, layout.shape, coords):
+        shard = piece.placements.get(name)
+        if shard is not None:
+            index[shard.dim] = shard_indices(index[shard.dim], shard, n, c)
+    return index
+
+
+class AssemblyError(ValueError):
+    """Pieces that cannot form a logical tensor: wrong shape, missing, or disagreeing replicas."""
+
+
+@dataclass
+class Assembled:
+    tensor: torch.Tensor
+    # rank -> logical indices it holds, for per-shard comparison
+    index: dict[int, list[torch.Tensor]]
+    # worst |difference| between replicas of the same element (0.0 when replicas are bitwise equal)
+    replica_gap: float
+    replica_gap_ranks: tuple[int, int] | None
+
+
+def assemble(name: str, pieces: dict[int, Piece], layout: MeshLayout) -> Assembled:
+    """Rebuild the logical tensor ``name`` from every rank's piece and check replicas agree."""
+    missing = [r for r in range(layout.world) if r not in pieces]
+    if missing:
+        raise AssemblyError(f"{name}: ranks {missing} returned no piece")
+    first = pieces[0]
+    out = torch.zeros(first.shape, dtype=first.tensor.dtype)
+    owner = torch.full(first.shape, -1, dtype=torch.int32)
+    gap, gap_ranks, index_of = 0.0, None, {}
+    for rank in range(layout.world):
+        piece = pieces[rank]
+        if piece.shape != first.shape or piece.placements != first.placements:
+            raise AssemblyError(
+                f"{name}: rank {rank} reports shape {piece.shape} {piece.placements}, "
+                f"rank 0 reports {first.shape} {first.placements}"
+            )
+        index = piece_index(piece, layout, rank)
+        expected = tuple(len(i) for i in index)
+        if tuple(piece.tensor.shape) != expected:
+            raise AssemblyError(
+                f"{name}: rank {rank} holds a piece of shape {tuple(piece.tensor.shape)}, "
+                f"its placements {piece.placements} of {piece.shape} call for {expected}"
+            )
+        index_of[rank] = index
+        grid = torch.meshgrid(*index, indexing="ij") if index else ()
+        held = owner[grid]
+        seen = held >= 0
+        if seen.any():
+            d = (out[grid][seen].double() - piece.tensor[seen].double()).abs()
+            d = d.nan_to_num(nan=math.inf)
+            worst = float(d.max()) if d.numel() else 0.0
+            if worst > gap:
+                gap, gap_ranks = worst, (int(held[seen].flatten()[int(d.argmax())]), rank)
+        out[grid] = piece.tensor
+        owner[grid] = rank
+    if (owner < 0).any():
+        raise AssemblyError(f"{name}: {int((owner < 0).sum())} elements are held by no rank")
+    return Assembled(out, index_of, gap, gap_ranks)

@@ -1,0 +1,376 @@
+"""Parent side of the warm pool of ranks.
+
+One pool per pytest process, started on first use and reused by every case: ranks are forked from
+a zygote that imported torch once, connected once over one process group (rendezvous through a
+TCPStore on port 0 hosted here, so parallel pytest workers never collide), and sent one task at a
+time. Each task runs under a deadline. When it passes, or a rank raises or dies, every rank's
+outcome is reported (tracebacks; Python stacks of the stuck ones, gathered with faulthandler); a
+pool with stuck or dead ranks is killed and the next task starts a fresh one.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import pickle
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from .backend import resolve as resolve_backend
+
+DEFAULT_SIZE = 8
+DEFAULT_DEADLINE = 30.0
+# How long the other ranks get to finish once one rank has raised or died: past it they are stuck.
+FAILURE_GRACE = 2.0
+PRELOAD = ("harness.context", "harness.layout", "harness.config", "torch.distributed.tensor")
+
+
+class PoolError(RuntimeError):
+    """The pool could not start or cannot run a task of this shape."""
+
+
+@dataclass
+class Outcome:
+    """What one rank did with a task."""
+
+    rank: int
+    status: str  # "ok", "idle", "raised", "died", "hung"
+    value: Any = None
+    detail: str = ""  # traceback, stack, or how it died
+    summary: str = ""  # one line
+
+    def line(self) -> str:
+        return f"rank {self.rank}: {self.status}" + (f": {self.summary}" if self.summary else "")
+
+
+class CaseFailure(AssertionError):
+    """A task that did not finish cleanly on every rank. ``outcomes`` holds every rank's story."""
+
+    def __init__(self, reason: str, outcomes: dict[int, Outcome], world: int):
+        self.reason, self.outcomes, self.world = reason, outcomes, world
+        lines = [reason, "every rank of the case:"]
+        lines += ["  " + outcomes[r].line() for r in sorted(outcomes) if r < world]
+        for r in sorted(outcomes):
+            o = outcomes[r]
+            if o.status in ("raised", "hung", "died") and o.detail:
+                lines.append(f"--- rank {r} ({o.status}) ---\n{o.detail.rstrip()}")
+        super().__init__("\n".join(lines))
+
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+def summarize_stack(text: str, root: str = "") -> tuple[str, str]:
+    """(one-line summary, the stack of the rank's main thread) from a faulthandler dump."""
+    threads = re.split(r"\n(?=(?:Current thread|Thread) 0x)", text.strip())
+    main = next((t for t in threads if "harness/rank.py" in t), threads[-1] if threads else "")
+    frames = [m.groupdict() for m in map(_FRAME.match, main.splitlines()) if m]  # innermost first
+
+    def short(frame: dict) -> str:
+        path = frame["file"]
+        if root and path.startswith(root + os.sep):
+            path = os.path.relpath(path, root)
+        elif "site-packages/" in path:
+            path = path.split("site-packages/", 1)[1]
+        return f"{path}:{frame['line']}"
+
+    collective = next((f for f in frames if "distributed_c10d" in f["file"]), None) or next(
+        (f for f in frames if "torch/distributed" in f["file"]), None
+    )
+    caller = next(
+        (f for f in frames if "/torch/" not in f["file"] and not f["file"].endswith("harness/rank.py")), None
+    )
+    parts = []
+    if collective:
+        parts.append(f"in {collective['func']} ({os.path.basename(collective['file'])}:{collective['line']})")
+    if caller:
+        parts.append(f"at {short(caller)} in {caller['func']}")
+    if not parts and frames:
+        parts.append(f"at {short(frames[0])} in {frames[0]['func']}")
+    body = "\n".join(f"  {short(f)} in {f['func']}" for f in frames)
+    return " ".join(parts) or "no Python frame", "stack, innermost first:\n" + body
+
+
+class Pool:
+    """A warm pool of ``size`` rank processes. Thread-unsafe: one task at a time."""
+
+    def __init__(self, size: int = DEFAULT_SIZE, backend: str = "auto", deadline: float = DEFAULT_DEADLINE,
+                 start_timeout: float = 180.0, preload: tuple[str, ...] = PRELOAD):
+        if size < 1:
+            raise PoolError(f"pool size {size} must be at least 1")
+        self.size, self.deadline, self.start_timeout = size, deadline, start_timeout
+        self.backend = resolve_backend(backend)
+        self.preload = preload
+        self._proc: subprocess.Popen | None = None
+        self._conns: list[Connection] = []
+        self._pids: dict[int, int] = {}
+        self._exits: dict[int, int] = {}
+        self._status_buf = b""
+        self._tmp: str | None = None
+        self._store = None
+        self._task = 0
+        self.starts = 0  # how many times a pool was started (tests check restarts)
+        atexit.register(self.close)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the zygote and the ranks (empty when not started)."""
+        return ([self._proc.pid] if self._proc else []) + list(self._pids.values())
+
+    def start(self) -> None:
+        if self.alive:
+            return
+        import torch.distributed as dist
+
+        self.close()
+        self._tmp = tempfile.mkdtemp(prefix="harness-pool-")
+        self._store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+        pairs = [socket.socketpair() for _ in range(self.size)]
+        child_fds = [child.fileno() for _, child in pairs]
+        for fd in child_fds:
+            os.set_inheritable(fd, True)
+        spec = {"parent": os.getpid(), "fds": child_fds, "port": self._store.port, "backend": self.backend,
+                "tmp": self._tmp, "preload": list(self.preload)}
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
+        with open(os.path.join(self._tmp, "zygote.log"), "wb") as err:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", "from harness.rank import zygote_main; zygote_main()", json.dumps(spec)],
+                pass_fds=child_fds, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
+                start_new_session=True, env=env,
+            )
+        self.starts += 1
+        for parent_end, child in pairs:
+            child.close()
+        self._conns = [Connection(parent.detach()) for parent, _ in pairs]
+        self._pids, self._exits, self._status_buf = {}, {}, b""
+        end = time.monotonic() + self.start_timeout
+        while not self._pids:
+            self._read_status(max(0.0, end - time.monotonic()))
+            if self._proc.poll() is not None or time.monotonic() > end:
+                self._fail_start("the zygote exited or did not fork the ranks in time")
+        ready = set()
+        while len(ready) < self.size:
+            left = end - time.monotonic()
+            pending = [c for r, c in enumerate(self._conns) if r not in ready]
+            if left <= 0 or not wait(pending, timeout=left):
+                self._fail_start(f"ranks {sorted(set(range(self.size)) - ready)} did not join the process group")
+            for conn in wait(pending, timeout=0):
+                try:
+                    _, rank = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    self._fail_start(f"rank {self._conns.index(conn)} died while starting")
+                ready.add(rank)
+
+    def _fail_start(self, why: str) -> None:
+        logs = self._logs(range(self.size), tail=20)
+        zygote = self._read(os.path.join(self._tmp, "zygote.log"))[-3000:] if self._tmp else ""
+        self.kill()
+        raise PoolError(f"pool of {self.size} ranks failed to start: {why}\n{zygote}{logs}")
+
+    def kill(self) -> None:
+        """Kill the zygote and every rank at once (they share a process group), and clean up."""
+        if self._proc is not None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self._proc.wait()
+            if self._proc.stdout:
+                self._proc.stdout.close()
+            self._proc = None
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._pids = [], {}
+        self._store = None
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def close(self) -> None:
+        """Stop the ranks politely, then make sure nothing is left."""
+        if self.alive:
+            for conn in self._conns:
+                try:
+                    conn.send_bytes(pickle.dumps(("stop",)))
+                except OSError:
+                    pass
+            try:
+                self._proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    # ---- running a task ----------------------------------------------------------------
+    def run(self, fn: str, payload: Any, mesh: tuple[tuple[str, int], ...], *, seed: int = 0,
+            deadline: float | None = None, label: str = "") -> dict[int, Any]:
+        """Run ``fn(ctx, payload)`` (an import path, ``"module:function"``) on every rank of ``mesh``.
+
+        Returns each mesh rank's return value. Raises :class:`CaseFailure` when any rank raises,
+        dies or is still running at the deadline, with every rank's outcome.
+        """
+        world = math.prod(d for _, d in mesh)
+        if world > self.size:
+            raise PoolError(f"mesh {mesh} needs {world} ranks but the pool has {self.size}: "
+                            f"run with --pool-size {world} or choose a smaller mesh")
+        self.start()
+        deadline = self.deadline if deadline is None else deadline
+        self._task += 1
+        message = pickle.dumps(("run", self._task, fn, payload, tuple(mesh), seed), protocol=pickle.HIGHEST_PROTOCOL)
+        outcomes: dict[int, Outcome] = {}
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send_bytes(message)
+            except OSError:
+                outcomes[rank] = Outcome(rank, "died")
+        start = time.monotonic()
+        end = start + deadline
+        failed_at = None if not outcomes else start
+        conn_rank = {id(c): r for r, c in enumerate(self._conns)}
+        while len(outcomes) < self.size:
+            limit = end if failed_at is None else min(end, failed_at + FAILURE_GRACE)
+            left = limit - time.monotonic()
+            pending = [c for r, c in enumerate(self._conns) if r not in outcomes]
+            ready = wait(pending, timeout=max(0.0, left)) if left > 0 else []
+            if not ready:
+                break
+            for conn in ready:
+                rank = conn_rank[id(conn)]
+                try:
+                    status, task, _, value = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    outcomes[rank] = Outcome(rank, "died")
+                    failed_at = failed_at or time.monotonic()
+                    continue
+                if task != self._task:
+                    continue
+                if status == "raised":
+                    last = value.strip().splitlines()[-1] if value.strip() else "exception"
+                    outcomes[rank] = Outcome(rank, "raised", detail=value, summary=last)
+                    failed_at = failed_at or time.monotonic()
+                else:
+                    outcomes[rank] = Outcome(rank, status, value=value)
+        if len(outcomes) == self.size and all(o.status in ("ok", "idle") for o in outcomes.values()):
+            return {r: outcomes[r].value for r in range(world)}
+        raise self._failure(outcomes, world, deadline, label, time.monotonic() - start)
+
+    def _failure(self, outcomes: dict[int, Outcome], world: int, deadline: float, label: str,
+                 elapsed: float) -> CaseFailure:
+        stuck = [r for r in range(self.size) if r not in outcomes]
+        stacks = self._dump_stacks(stuck) if stuck else {}
+        for r in stuck:
+            summary, stack = summarize_stack(stacks.get(r, ""), os.getcwd())
+            outcomes[r] = Outcome(r, "hung", detail=stack, summary=summary)
+        dead = [r for r, o in outcomes.items() if o.status == "died"]
+        if dead:
+            self._await_exits(dead)
+            for r in dead:
+                code = self._exits.get(r)
+                how = ("unknown exit status" if code is None else
+                       f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
+                outcomes[r].summary = f"process died ({how})"
+                outcomes[r].detail = f"process died ({how}); its output, last lines:\n" + self._logs([r], tail=15)
+        kinds = sorted({o.status for o in outcomes.values()} - {"ok", "idle"})
+        what = f"case {label} " if label else "case "
+        if stuck and not (dead or any(o.status == "raised" for o in outcomes.values())):
+            reason = f"{what}passed its deadline of {deadline:.1f} s: ranks {[r for r in stuck if r < world]} still running"
+        else:
+            reason = f"{what}failed after {elapsed:.1f} s: " + ", ".join(
+                f"{k} on ranks {[r for r, o in sorted(outcomes.items()) if o.status == k]}" for k in kinds)
+        if stuck or dead:
+            self.kill()  # a pool with stuck or dead ranks cannot be trusted: the next task starts afresh
+        return CaseFailure(reason, outcomes, world)
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _stack_path(self, rank: int) -> str:
+        return os.path.join(self._tmp, f"rank{rank}.stack")
+
+    def _dump_stacks(self, ranks: list[int], settle: float = 2.0) -> dict[int, str]:
+        """Every listed rank's Python stacks, from faulthandler on SIGUSR1."""
+        offsets = {r: os.path.getsize(self._stack_path(r)) for r in ranks}
+        for r in ranks:
+            try:
+                os.kill(self._pids[r], signal.SIGUSR1)
+            except (ProcessLookupError, KeyError):
+                pass
+        end, last, stable_since = time.monotonic() + settle, None, time.monotonic()
+        while time.monotonic() < end:
+            sizes = tuple(os.path.getsize(self._stack_path(r)) for r in ranks)
+            if sizes != last:
+                last, stable_since = sizes, time.monotonic()
+            elif all(s > offsets[r] for s, r in zip(sizes, ranks)) and time.monotonic() - stable_since > 0.1:
+                break
+            time.sleep(0.02)
+        out = {}
+        for r in ranks:
+            with open(self._stack_path(r), errors="replace") as f:
+                f.seek(offsets[r])
+                out[r] = f.read()
+        return out
+
+    def _read_status(self, timeout: float) -> None:
+        """Read the zygote's status lines (rank pids, rank exits)."""
+        stream = self._proc.stdout
+        if not select.select([stream], [], [], timeout)[0]:
+            return
+        chunk = os.read(stream.fileno(), 65536)
+        self._status_buf += chunk
+        *lines, self._status_buf = self._status_buf.split(b"\n")
+        for line in lines:
+            record = json.loads(line)
+            if "pids" in record:
+                self._pids = {int(r): p for r, p in record["pids"].items()}
+            else:
+                self._exits[record["exit"]] = record["code"]
+        if not chunk:
+            time.sleep(timeout)  # EOF: the zygote is gone, nothing more will come
+
+    def _await_exits(self, ranks: list[int], timeout: float = 1.0) -> None:
+        end = time.monotonic() + timeout
+        while any(r not in self._exits for r in ranks) and time.monotonic() < end and self._proc:
+            self._read_status(max(0.0, end - time.monotonic()))
+
+    @staticmethod
+    def _read(path: str) -> str:
+        try:
+            with open(path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def _logs(self, ranks, tail: int) -> str:
+        if not self._tmp:
+            return ""
+        out = []
+        for r in ranks:
+            lines = self._read(os.path.join(self._tmp, f"rank{r}.log")).splitlines()[-tail:]
+            if lines:
+                out.append(f"[rank {r} output]\n" + "\n".join(lines))
+        return "\n".join(out)
+
+
+_shared: Pool | None = None
+
+
+def shared_pool(**options) -> Pool:
+    """The pool of this process, created on first use with ``options``."""
+    global _shared
+    if _shared is None:
+        _shared = Pool(**options)
+    return _shared

@@ -1,0 +1,154 @@
+"""Child side of the warm pool.
+
+The zygote imports torch once and forks every rank from that warm image (spawning a fresh Python
+per rank costs ~2 s of imports each on this machine). Every rank then joins one process group over
+the whole pool and serves tasks from its socket until told to stop or until its parent disappears.
+"""
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import importlib
+import json
+import os
+import pickle
+import random
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """Exit when ``parent`` exits, even by SIGKILL: no orphaned ranks."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+    if not sys.platform.startswith("linux"):  # portable fallback: poll for re-parenting
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="harness-parent-watch", daemon=True).start()
+
+
+def zygote_main() -> None:
+    spec = json.loads(sys.argv[1])
+    die_with_parent(spec["parent"])
+    import torch  # noqa: F401  the expensive import, paid once for all ranks
+    import torch.distributed  # noqa: F401
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: F401
+
+    for module in spec["preload"]:
+        importlib.import_module(module)
+    me = os.getpid()
+    pids: dict[int, int] = {}
+    for rank, fd in enumerate(spec["fds"]):
+        pid = os.fork()
+        if pid == 0:
+            for other in spec["fds"]:
+                if other != fd:
+                    os.close(other)
+            try:
+                rank_main(rank, fd, me, spec)
+            finally:
+                os._exit(0)
+        pids[rank] = pid
+    for fd in spec["fds"]:
+        os.close(fd)
+    status = sys.stdout
+    status.write(json.dumps({"pids": pids}) + "\n")
+    status.flush()
+    ranks = {pid: rank for rank, pid in pids.items()}
+    while ranks:
+        pid, raw = os.wait()
+        rank = ranks.pop(pid, None)
+        if rank is not None:
+            status.write(json.dumps({"exit": rank, "code": os.waitstatus_to_exitcode(raw)}) + "\n")
+            status.flush()
+
+
+def _send(conn: Connection, message) -> None:
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def resolve(path: str):
+    """Import ``"package.module:function"``."""
+    module, _, name = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def seed_rank(seed: int, rank: int) -> None:
+    """Private, deterministic global random state for this rank and task."""
+    import torch
+
+    from .context import derive_seed
+
+    value = derive_seed("rank-global", seed, rank)
+    torch.manual_seed(value)
+    random.seed(value)
+
+
+def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
+    log = os.open(os.path.join(spec["tmp"], f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    die_with_parent(zygote)
+    stacks = open(os.path.join(spec["tmp"], f"rank{rank}.stack"), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from .backend import device_type, rank_device
+    from .context import RankContext
+    from .layout import MeshLayout
+
+    torch.set_num_threads(1)
+    conn = Connection(fd)
+    backend, world = spec["backend"], len(spec["fds"])
+    device = rank_device(backend, rank)
+    store = dist.TCPStore("127.0.0.1", spec["port"], world, is_master=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    _send(conn, ("ready", rank))
+    meshes: dict[tuple, DeviceMesh] = {}
+    functions: dict[str, object] = {}
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            break
+        if message[0] == "stop":
+            break
+        _, task, path, payload, mesh, seed = message
+        try:
+            layout = MeshLayout.of(mesh)
+            if mesh not in meshes:  # every pool rank takes part in creating the groups
+                ranks = torch.arange(layout.world).view(layout.shape)
+                meshes[mesh] = DeviceMesh(device_type(backend), ranks, mesh_dim_names=layout.names)
+            if rank >= layout.world:
+                _send(conn, ("idle", task, rank, None))
+                continue
+            if path not in functions:
+                functions[path] = resolve(path)
+            seed_rank(seed, rank)
+            ctx = RankContext(rank, layout, meshes[mesh], device, backend)
+            result = functions[path](ctx, payload)
+            _send(conn, ("ok", task, rank, result))
+        except BaseException:  # noqa: BLE001  every failure goes back to the parent, with its traceback
+            try:
+                _send(conn, ("raised", task, rank, traceback.format_exc()))
+            except (OSError, EOFError):
+                break
+    os._exit(0)

@@ -1,0 +1,27 @@
+"""Small tasks the harness itself sends to the pool (benchmarks, mesh checks)."""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from .context import RankContext
+
+
+def noop(ctx: RankContext, payload):
+    """The empty case: measures the pool's round trip."""
+    return None
+
+
+def describe_mesh(ctx: RankContext, payload):
+    """This rank's coordinates and, per dim, the ranks of its group, as torch sees them."""
+    mesh = ctx.device_mesh
+    groups = {name: dist.get_process_group_ranks(mesh.get_group(name)) for name in ctx.layout.names}
+    return {"coords": tuple(mesh.get_coordinate()), "groups": groups}
+
+
+def all_reduce_rank(ctx: RankContext, payload):
+    """Sum of ranks over the ``payload`` dim's group: proves the groups carry traffic."""
+    import torch
+
+    x = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(x, group=ctx.group(payload))
+    return float(x)

@@ -1,0 +1,41 @@
+"""Rank functions that misbehave on purpose, for the pool's fault tests."""
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def raise_on_rank1(ctx, payload):
+    """Rank 1 raises before the all-reduce, so the other ranks are left waiting in it."""
+    if ctx.rank == 1:
+        raise ValueError("planted failure on rank 1")
+    x = torch.ones(1)
+    dist.all_reduce(x, group=ctx.group("tp"))
+    return float(x)
+
+
+def raise_everywhere(ctx, payload):
+    raise RuntimeError(f"planted failure on rank {ctx.rank}")
+
+
+def hang_on_last(ctx, payload):
+    """The last rank sleeps; the others block in an all-reduce waiting for it."""
+    if ctx.rank == ctx.layout.world - 1:
+        while True:
+            time.sleep(0.05)
+    x = torch.ones(1)
+    dist.all_reduce(x, group=ctx.group("tp"))
+    return float(x)
+
+
+def exit_on_rank1(ctx, payload):
+    if ctx.rank == 1:
+        os._exit(payload)
+    x = torch.ones(1)
+    dist.all_reduce(x, group=ctx.group("tp"))
+    return float(x)
+
+
+def pids(ctx, payload):
+    return os.getpid()
