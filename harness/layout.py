@@ -184,3 +184,16 @@ def assemble(name: str, pieces: dict[int, Piece], layout: MeshLayout) -> Assembl
     if (owner < 0).any():
         raise AssemblyError(f"{name}: {int((owner < 0).sum())} elements are held by no rank")
     return Assembled(out, index_of, gap, gap_ranks)
+
+
+def take(tensor: torch.Tensor, shard: Shard | None, n: int, c: int) -> torch.Tensor:
+    """Coordinate ``c`` of ``n``'s part of a full tensor (a copy of it when ``shard`` is None)."""
+    if shard is None or n == 1:
+        return tensor.clone()
+    index = shard_indices(torch.arange(tensor.shape[shard.dim]), shard, n, c)
+    return tensor.index_select(shard.dim, index)
+
+
+def empty_chunk_rule(size: int, n: int) -> bool:
+    """True when ``torch.chunk`` gives every one of ``n`` coordinates a non-empty chunk of ``size``."""
+    return n <= size and chunk_bounds(size, n, n - 1)[1] > chunk_bounds(size, n, n - 1)[0]

@@ -1,0 +1,96 @@
+"""Run one cell: the implementation in the pool, against the reference and the golden file."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .compare import Report, compare
+from .config import Config
+from .golden import GoldenError, golden_path, metadata, read_golden, write_golden
+from .layout import AssemblyError, MeshLayout, assemble
+from .pool import Pool
+from .registry import validate
+from .tolerance import Tolerance, tolerance
+
+
+class Divergence(AssertionError):
+    """A cell whose numbers differ from the reference or from its golden file."""
+
+
+@dataclass
+class CellOutcome:
+    cfg: Config
+    tol: Tolerance
+    parity: Report
+    golden: Report | None = None
+    golden_status: str = "not checked"  # identical, within tolerance, written, updated
+    moved: str = ""  # table of what an update changed
+    seconds: float = 0.0
+    result: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+_references: dict[tuple, dict[str, torch.Tensor]] = {}
+
+
+def reference_for(cfg: Config) -> dict[str, torch.Tensor]:
+    """The reference result of ``cfg``'s problem, computed once per process and reused for every mesh."""
+    if cfg.problem_key not in _references:
+        _references[cfg.problem_key] = validate(cfg).reference_result(cfg)
+    return _references[cfg.problem_key]
+
+
+def run_parallel(cfg: Config, pool: Pool) -> dict:
+    """Run the implementation on the pool and assemble its pieces into logical tensors."""
+    impl = validate(cfg, pool.size).implementations[cfg.impl]
+    pieces = pool.run(impl.run, cfg, cfg.mesh, seed=cfg.seed, label=cfg.id)
+    names = set(pieces[0])
+    for rank, got in pieces.items():
+        if set(got) != names:
+            raise AssemblyError(f"rank {rank} returned {sorted(got)}, rank 0 returned {sorted(names)}")
+    layout = MeshLayout.of(cfg.mesh)
+    return {name: assemble(name, {r: pieces[r][name] for r in pieces}, layout) for name in sorted(names)}
+
+
+def run_cell(cfg: Config, pool: Pool, *, golden_dir: Path | None = None, update_golden: bool = False,
+             nodeid: str = "") -> CellOutcome:
+    """Parity with the reference first (the gate), then the golden file (drift over time)."""
+    start = time.perf_counter()
+    component = validate(cfg, pool.size)
+    tol = tolerance(cfg.dtype, component.reduction_size(cfg))
+    assembled = run_parallel(cfg, pool)
+    outcome = CellOutcome(cfg, tol, compare(assembled, reference_for(cfg), tol))
+    outcome.result = {name: a.tensor for name, a in assembled.items()}
+    reproduce = f"reproduce: pytest '{nodeid}'" if nodeid else f"config: {cfg.id}"
+    if not outcome.parity.ok:
+        raise Divergence(f"{cfg.id} diverges from the reference ({tol}):\n{outcome.parity.table()}\n{reproduce}")
+    if golden_dir is not None:
+        check_golden(outcome, Path(golden_dir), update_golden, pool.backend, nodeid, reproduce)
+    outcome.seconds = time.perf_counter() - start
+    return outcome
+
+
+def check_golden(outcome: CellOutcome, root: Path, update: bool, backend: str, nodeid: str, reproduce: str) -> None:
+    cfg, tol = outcome.cfg, outcome.tol
+    path = golden_path(root, cfg)
+    try:
+        stored, _ = read_golden(path, cfg, nodeid)
+    except GoldenError:
+        if not update:
+            raise
+        stored = None
+    if stored is not None:
+        outcome.golden = compare(outcome.result, stored, tol)
+        same = outcome.golden.bit_identical
+        outcome.golden_status = "identical" if same else "within tolerance"
+        if same or (not update and outcome.golden.ok):
+            return
+        if not update:
+            raise Divergence(f"{cfg.id} has drifted from its golden file {path} ({tol}):\n"
+                             f"{outcome.golden.table()}\n{reproduce}\n"
+                             f"if the change is intended: pytest '{nodeid}' --update-golden")
+        outcome.moved = outcome.golden.table(only_failing=False)
+    write_golden(path, outcome.result, metadata(cfg, str(tol), backend))
+    outcome.golden_status = "updated" if stored is not None else "written"

@@ -1,0 +1,90 @@
+"""Components and their implementations, registered by name.
+
+A component names its single-process reference, its config rules and its reduction size; each
+implementation names a ``run(ctx, cfg) -> dict[str, Piece]`` by import path (``"module:function"``),
+which the rank processes import themselves. A user adds an implementation of their own from a
+``conftest.py``, without editing this project::
+
+    from harness.registry import register_implementation
+    register_implementation("tp", "mine", "mypkg.tp_impl:run")
+
+and its cells are then ``Config("tp", "mine", ...)``, run by the same cases.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .config import Config, ConfigError
+
+
+def _load(path: str):
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class Implementation:
+    name: str
+    run: str  # "module:function", run(ctx, cfg) on every rank of the mesh
+    # "module:function" returning a reason to skip a config on this machine, or None
+    skip: str | None = None
+
+    def skip_reason(self, cfg: Config) -> str | None:
+        return _load(self.skip)(cfg) if self.skip else None
+
+
+@dataclass
+class Component:
+    name: str
+    reference: str  # "module:function", cfg -> dict[str, Tensor] of logical fp64 tensors
+    validate: str  # "module:function", raises ConfigError
+    reduction: str  # "module:function", cfg -> most terms any result adds (for the tolerance)
+    implementations: dict[str, Implementation] = field(default_factory=dict)
+
+    def check(self, cfg: Config) -> None:
+        if cfg.impl not in self.implementations:
+            raise ConfigError(
+                f"{cfg.id}: no implementation {cfg.impl!r} of {self.name}; "
+                f"registered: {', '.join(sorted(self.implementations))}"
+            )
+        _load(self.validate)(cfg)
+
+    def reference_result(self, cfg: Config):
+        return _load(self.reference)(cfg)
+
+    def reduction_size(self, cfg: Config) -> int:
+        return _load(self.reduction)(cfg)
+
+
+COMPONENTS: dict[str, Component] = {}
+
+
+def register_component(component: Component) -> Component:
+    COMPONENTS[component.name] = component
+    return component
+
+
+def register_implementation(component: str, name: str, run: str, skip: str | None = None) -> None:
+    """Add (or replace) implementation ``name`` of ``component``; ``run`` is imported on the ranks."""
+    get(component).implementations[name] = Implementation(name, run, skip)
+
+
+def get(name: str) -> Component:
+    from . import components  # noqa: F401  registers the built-in components
+
+    try:
+        return COMPONENTS[name]
+    except KeyError:
+        raise ConfigError(f"unknown component {name!r}; registered: {', '.join(sorted(COMPONENTS))}") from None
+
+
+def validate(cfg: Config, pool_size: int | None = None) -> Component:
+    """Every rule for ``cfg``, checked before any rank runs. Returns its component."""
+    component = get(cfg.component)
+    component.check(cfg)
+    if pool_size is not None and cfg.world > pool_size:
+        raise ConfigError(f"{cfg.id}: mesh needs {cfg.world} ranks but the pool has {pool_size}; "
+                          f"pass --pool-size {cfg.world}")
+    return component

@@ -1,0 +1,1 @@
+"""Parallel implementations of each component, on torch.distributed primitives."""

@@ -1,0 +1,172 @@
+"""Collectives as autograd functions, each stated with its conjugate.
+
+    forward               backward
+    identity          <-> all-reduce       copy_to_group / reduce_from_group
+    split (own chunk) <-> all-gather       split_to_group / gather_from_group
+    all-gather        <-> reduce-scatter   all_gather_dim / reduce_scatter_dim
+
+Chunks follow ``torch.chunk`` (harness.layout.chunk_bounds): uneven sizes are padded to the largest
+chunk for the wire, because gloo's all-gather and reduce-scatter need equal sizes.
+A group of one rank (or ``None``) makes every function the identity.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from harness.layout import chunk_bounds
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _sizes(full: int, n: int) -> list[int]:
+    return [hi - lo for lo, hi in (chunk_bounds(full, n, i) for i in range(n))]
+
+
+def _pad(x: torch.Tensor, dim: int, to: int) -> torch.Tensor:
+    if x.shape[dim] == to:
+        return x.contiguous()
+    shape = list(x.shape)
+    shape[dim] = to - x.shape[dim]
+    return torch.cat([x, x.new_zeros(shape)], dim).contiguous()
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n, r = _size(group), dist.get_rank(group)
+    lo, hi = chunk_bounds(x.shape[dim], n, r)
+    return x.narrow(dim, lo, hi - lo).contiguous()
+
+
+def _gather(x: torch.Tensor, dim: int, group, full: int) -> torch.Tensor:
+    n = _size(group)
+    sizes = _sizes(full, n)
+    parts = [torch.empty_like(_pad(x, dim, max(sizes))) for _ in range(n)]
+    dist.all_gather(parts, _pad(x, dim, max(sizes)), group=group)
+    return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n, r = _size(group), dist.get_rank(group)
+    sizes = _sizes(x.shape[dim], n)
+    chunks = [_pad(x.narrow(dim, lo, s), dim, max(sizes)) for lo, s in zip(
+        [chunk_bounds(x.shape[dim], n, i)[0] for i in range(n)], sizes)]
+    out = torch.empty_like(chunks[0])
+    dist.reduce_scatter(out, chunks, group=group)
+    return out.narrow(dim, 0, sizes[r])
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Forward: identity. Backward: all-reduce (each rank holds a partial gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """Forward: all-reduce of partial results. Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SplitToGroup(torch.autograd.Function):
+    """Forward: keep this rank's chunk of ``dim``. Backward: all-gather the chunks."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group, ctx.full = dim, group, x.shape[dim]
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.dim, ctx.group, ctx.full), None, None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    """Forward: all-gather chunks along ``dim``. Backward: keep this rank's chunk."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, full):
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group, full)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.dim, ctx.group), None, None, None
+
+
+class _AllGatherDim(torch.autograd.Function):
+    """Forward: all-gather along ``dim`` (sequence parallel). Backward: reduce-scatter along ``dim``."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, full):
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group, full)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None, None
+
+
+class _ReduceScatterDim(torch.autograd.Function):
+    """Forward: reduce-scatter along ``dim``. Backward: all-gather along ``dim``."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group, ctx.full = dim, group, x.shape[dim]
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.dim, ctx.group, ctx.full), None, None
+
+
+def copy_to_group(x, group):
+    return x if _size(group) == 1 else _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x, group):
+    return x if _size(group) == 1 else _ReduceFromGroup.apply(x, group)
+
+
+def split_to_group(x, dim: int, group):
+    return x if _size(group) == 1 else _SplitToGroup.apply(x, dim % x.dim(), group)
+
+
+def gather_from_group(x, dim: int, group, full: int):
+    return x if _size(group) == 1 else _GatherFromGroup.apply(x, dim % x.dim(), group, full)
+
+
+def all_gather_dim(x, dim: int, group, full: int):
+    return x if _size(group) == 1 else _AllGatherDim.apply(x, dim % x.dim(), group, full)
+
+
+def reduce_scatter_dim(x, dim: int, group):
+    return x if _size(group) == 1 else _ReduceScatterDim.apply(x, dim % x.dim(), group)
+
+
+def all_reduce_(tensors, group) -> None:
+    """In place, no autograd: sum tensors over a group (data-parallel gradients)."""
+    if _size(group) == 1:
+        return
+    for t in tensors:
+        dist.all_reduce(t, group=group)

@@ -1,0 +1,1 @@
+"""Single-process references: plain PyTorch, no torch.distributed at all."""

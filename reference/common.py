@@ -1,0 +1,31 @@
+"""What every component's reference and parallel side share: the training step they both take.
+
+Shared on purpose, so that the two sides differ only in the parallel algorithm: the optimizer and
+its settings, the probe loss, and the names results are reported under.
+"""
+from __future__ import annotations
+
+import torch
+
+# One SGD step with momentum. lr is large enough that the update shows in bf16 parameters.
+SGD = dict(lr=0.5, momentum=0.9, weight_decay=0.01)
+
+
+def sgd_step(params: list[torch.Tensor]) -> None:
+    """One optimizer step, in place, on tensors that carry ``.grad``."""
+    torch.optim.SGD(params, **SGD).step()
+
+
+def probe_loss(out: torch.Tensor, probe: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``<out, probe> / tokens`` in at least fp32: its gradient with respect to ``out`` is ``probe / tokens``."""
+    dtype = torch.promote_types(out.dtype, torch.float32)
+    return (out.to(dtype) * probe.to(dtype)).sum() / tokens
+
+
+def grad_name(name: str) -> str:
+    return f"grad/{name}"
+
+
+def param_name(name: str) -> str:
+    """Name of a parameter's value after the optimizer step."""
+    return f"param/{name}"

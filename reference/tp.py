@@ -1,0 +1,132 @@
+"""Single-process reference for tensor parallelism: the dense layers, in fp64.
+
+Ops (switch ``op``), each a small layer with the loss and the training step around it:
+
+    colgather, colshard  y = x W^T + b                          W: [f, h]
+    rowsplit, rowshard   y = x W^T + b                          W: [h, f], x: [b, s, f]
+    mlp                  y = gelu(x W1^T + b1) W2^T + b2
+    sp                   y = x + mlp(layer_norm(x))             (sequence parallel in parallel/tp.py)
+    embed                y = E[ids]                             E: [v, h]
+    xent                 loss = cross_entropy(x H^T, labels)    H: [v, h]
+    gateup               y = (silu(x Wg^T) * (x Wu^T)) Wd^T + bd  Wg, Wu packed as W_gu: [2f, h]
+
+Every op but xent is trained on ``probe_loss``; xent on its own mean cross-entropy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from harness.config import Config
+from harness.context import generator
+from harness.tolerance import TORCH_DTYPE
+
+from .common import grad_name, param_name, probe_loss, sgd_step
+
+OPS = ("colgather", "colshard", "rowsplit", "rowshard", "mlp", "sp", "embed", "xent", "gateup")
+SIZES = dict(b=4, s=8, h=16, f=32, v=40)
+LN_EPS = 1e-5
+
+
+@dataclass
+class Problem:
+    """Inputs, initial parameters (in the config's dtype) and the probe, identical on every process."""
+
+    inputs: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]
+    probe: torch.Tensor | None
+    tokens: int
+    out_shape: tuple[int, ...]
+
+
+def make_problem(cfg: Config) -> Problem:
+    g = generator("tp", cfg.problem_key)
+    b, s, h, f, v = (cfg.size(k) for k in "bshfv")
+    op, dtype = cfg.switch("op"), TORCH_DTYPE[cfg.dtype]
+
+    def randn(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(shape, generator=g) * scale + shift).to(dtype)
+
+    def linear(out_dim, in_dim, bias=True):
+        w = randn(out_dim, in_dim, scale=in_dim**-0.5)
+        return (w, randn(out_dim, scale=0.1)) if bias else (w, None)
+
+    params: dict[str, torch.Tensor] = {}
+    inputs: dict[str, torch.Tensor] = {}
+    if op in ("colgather", "colshard"):
+        params["w"], params["b"] = linear(f, h)
+        inputs["x"], out_dim = randn(b, s, h), f
+    elif op in ("rowsplit", "rowshard"):
+        params["w"], params["b"] = linear(h, f)
+        inputs["x"], out_dim = randn(b, s, f), h
+    elif op in ("mlp", "sp"):
+        if op == "sp":
+            params["ln_w"], params["ln_b"] = randn(h, scale=0.1, shift=1.0), randn(h, scale=0.1)
+        params["w1"], params["b1"] = linear(f, h)
+        params["w2"], params["b2"] = linear(h, f)
+        inputs["x"], out_dim = randn(b, s, h), h
+    elif op == "embed":
+        params["emb"] = randn(v, h)
+        inputs["ids"], out_dim = torch.randint(v, (b, s), generator=g), h
+    elif op == "xent":
+        params["head"] = randn(v, h, scale=h**-0.5)
+        inputs["x"], out_dim = randn(b, s, h), None
+        inputs["labels"] = torch.randint(v, (b, s), generator=g)
+    elif op == "gateup":
+        params["w_gu"] = randn(2 * f, h, scale=h**-0.5)
+        params["w_down"], params["b_down"] = linear(h, f)
+        inputs["x"], out_dim = randn(b, s, h), h
+    else:
+        raise ValueError(f"unknown tp op {op!r}; known: {', '.join(OPS)}")
+    probe = torch.randn((b, s, out_dim), generator=g) if out_dim else None
+    return Problem(inputs, params, probe, b * s, (b, s, out_dim or v))
+
+
+def forward(op: str, p: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The dense layer: returns ``y`` (or the logits, for xent)."""
+    x = inputs.get("x")
+    if op in ("colgather", "colshard", "rowsplit", "rowshard"):
+        return F.linear(x, p["w"], p["b"])
+    if op == "mlp":
+        return F.linear(F.gelu(F.linear(x, p["w1"], p["b1"])), p["w2"], p["b2"])
+    if op == "sp":
+        normed = F.layer_norm(x, x.shape[-1:], p["ln_w"], p["ln_b"], LN_EPS)
+        return x + F.linear(F.gelu(F.linear(normed, p["w1"], p["b1"])), p["w2"], p["b2"])
+    if op == "embed":
+        return F.embedding(inputs["ids"], p["emb"])
+    if op == "xent":
+        return F.linear(x, p["head"])
+    if op == "gateup":
+        gate, up = F.linear(x, p["w_gu"]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, p["w_down"], p["b_down"])
+    raise ValueError(f"unknown tp op {op!r}")
+
+
+def reference(cfg: Config) -> dict[str, torch.Tensor]:
+    """Output, loss, input and parameter gradients, and parameters after one SGD step, in fp64."""
+    problem = make_problem(cfg)
+    op = cfg.switch("op")
+    params = {k: t.double().requires_grad_() for k, t in problem.params.items()}
+    inputs = {k: t.double().requires_grad_() if t.is_floating_point() else t for k, t in problem.inputs.items()}
+    out = forward(op, params, inputs)
+    if op == "xent":
+        loss = F.cross_entropy(out.flatten(0, 1), inputs["labels"].flatten())
+    else:
+        loss = probe_loss(out, problem.probe.double(), problem.tokens)
+    loss.backward()
+    result = {"out": out.detach(), "loss": loss.detach()}
+    if "x" in inputs:
+        result[grad_name("x")] = inputs["x"].grad
+    result.update({grad_name(k): t.grad.clone() for k, t in params.items()})
+    with torch.no_grad():
+        sgd_step(list(params.values()))
+    result.update({param_name(k): t.detach() for k, t in params.items()})
+    return result
+
+
+def reduction_size(cfg: Config) -> int:
+    """The most terms any result adds: a matmul's inner dim, or a weight gradient's token count."""
+    b, s, h, f, v = (cfg.size(k) for k in "bshfv")
+    return max(h, f, v, b * s)
