@@ -72,7 +72,7 @@ class Report:
             ]
         )
         with pd.option_context("display.width", 250, "display.max_columns", 20, "display.max_colwidth", 40):
-            return frame.to_string(index=False, float_format=lambda v: f"{v:.4g}")
+            return frame.to_string(index=False, na_rep="", float_format=lambda v: f"{v:.4g}")
 
 
 def _as_assembled(value) -> Assembled:

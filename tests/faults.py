@@ -39,3 +39,8 @@ def exit_on_rank1(ctx, payload):
 
 def pids(ctx, payload):
     return os.getpid()
+
+
+def draw_random(ctx, payload):
+    """Values from the rank's global generator: private to the rank, fixed by the task's seed."""
+    return torch.rand(3)

@@ -1,0 +1,25 @@
+import os
+import sys
+
+import pytest
+
+from harness.pool import Pool
+
+pytest_plugins = ["pytester"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def small_pool():
+    """A private pool of 4 ranks with a short deadline, so fault tests need not wait long."""
+    pool = Pool(size=4, deadline=20.0)
+    yield pool
+    pool.close()
+
+
+def run_python(code: str, **kwargs):
+    """Start ``python -c code`` with the repository importable."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True, **kwargs)

@@ -1,0 +1,86 @@
+"""The comparison and the tolerance policy: catches real errors, accepts rounding noise."""
+import pytest
+import torch
+
+from harness.compare import compare
+from harness.layout import MeshLayout, Piece, Shard, assemble
+from harness.tolerance import TORCH_DTYPE, tolerance
+
+
+def reference(*shape, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("n", [16, 256, 4096])
+def test_planted_relative_error_of_1e_3_is_caught_in_fp32(n):
+    want = reference(64, 64)
+    got = want.float()
+    got[7, 9] *= 1 + 1e-3
+    report = compare({"w": got}, {"w": want}, tolerance("fp32", n))
+    (row,) = report.failing()
+    assert row.tensor == "w" and row.worst_index == (7, 9) and row.problem == "mismatch"
+    assert row.bad == "1/4096"
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_rounding_noise_of_a_real_matmul_is_accepted(dtype):
+    a, b = reference(32, 256), reference(256, 48, seed=1)
+    t = TORCH_DTYPE[dtype]
+    low = (a.to(t) @ b.to(t)).double()  # one rounding of the inputs, one of the output
+    exact = a.to(t).double() @ b.to(t).double()
+    assert compare({"y": low}, {"y": exact}, tolerance(dtype, 256)).ok
+
+
+def test_scaling_bug_shows_in_the_norm_ratio():
+    want = reference(8, 8)
+    (row,) = compare({"g": want / 4}, {"g": want}, tolerance("bf16", 64)).failing()
+    assert row.norm_ratio == pytest.approx(0.25)
+
+
+def test_nan_is_never_within_tolerance():
+    want = reference(4, 4)
+    got = want.clone()
+    got[1, 2] = float("nan")
+    (row,) = compare({"g": got}, {"g": want}, tolerance("fp32", 1)).failing()
+    assert row.problem == "nan/inf" and row.worst_index == (1, 2)
+
+
+def test_missing_and_misshaped_tensors_fail():
+    want = {"a": reference(2), "b": reference(3)}
+    report = compare({"a": reference(4), "c": reference(3)}, want, tolerance("fp32", 1))
+    problems = {(r.tensor, r.problem) for r in report.failing()}
+    assert problems == {("a", "shape"), ("b", "missing"), ("c", "missing")}
+
+
+def test_bad_ranks_name_the_shard_that_holds_the_error():
+    layout = MeshLayout(("tp",), (4,))
+    want = reference(8, 4)
+    pieces = {r: Piece(want[2 * r: 2 * r + 2].clone(), (8, 4), {"tp": Shard(0)}) for r in range(4)}
+    pieces[2].tensor[1, 3] += 1.0
+    (row,) = compare({"g": assemble("g", pieces, layout)}, {"g": want}, tolerance("fp32", 8)).failing()
+    assert row.ranks == "2" and row.worst_index == (5, 3)
+
+
+def test_replicas_that_disagree_fail_even_if_one_copy_is_right():
+    layout = MeshLayout(("tp",), (2,))
+    want = reference(4)
+    wrong = want.clone()
+    wrong[0] += 1.0
+    got = assemble("b", {0: Piece(wrong, (4,)), 1: Piece(want.clone(), (4,))}, layout)  # rank 1 wins
+    (row,) = compare({"b": got}, {"b": want}, tolerance("fp32", 1)).failing()
+    assert row.problem == "replicas" and row.ranks == "0,1"
+
+
+def test_table_names_tensor_values_errors_and_tolerance():
+    want = reference(4)
+    table = compare({"grad/w": want * 2}, {"grad/w": want}, tolerance("fp32", 4)).table()
+    for column in ("tensor", "worst index", "actual", "expected", "abs err", "rel err", "tol", "norm ratio"):
+        assert column in table
+    assert "grad/w" in table
+
+
+def test_tolerance_grows_with_reduction_size_and_dtype():
+    assert tolerance("fp32", 4096).rtol > tolerance("fp32", 16).rtol
+    assert tolerance("bf16", 16).rtol > tolerance("fp16", 16).rtol > tolerance("fp32", 16).rtol
+    with pytest.raises(ValueError, match="no tolerance for dtype 'int8'"):
+        tolerance("int8", 1)

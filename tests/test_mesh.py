@@ -1,0 +1,31 @@
+"""DeviceMesh groups on real ranks against the pure-Python model of the layout."""
+import pytest
+
+from harness.layout import MeshLayout
+from harness.matrix import mesh
+
+MESHES = ["tp=1", "tp=4", "dp=2,tp=2", "dp=4,tp=2", "dp=2,tp=4", "pp=2,dp=2,tp=2", "dp=2,cp=2,tp=2"]
+
+
+@pytest.mark.parametrize("text", MESHES)
+def test_device_mesh_matches_the_row_major_model(text, rank_pool):
+    dims = mesh(text)
+    layout = MeshLayout.of(dims)
+    seen = rank_pool.run("harness.tasks:describe_mesh", None, dims)
+    assert sorted(seen) == list(range(layout.world))
+    for rank, got in seen.items():
+        assert got["coords"] == layout.coords(rank)
+        for name in layout.names:
+            (mine,) = [g for g in layout.groups(name) if rank in g]
+            assert got["groups"][name] == mine
+
+
+@pytest.mark.parametrize("text", ["dp=2,tp=4", "dp=4,tp=2"])
+@pytest.mark.parametrize("dim", ["dp", "tp"])
+def test_each_dim_group_carries_its_own_traffic(text, dim, rank_pool):
+    dims = mesh(text)
+    layout = MeshLayout.of(dims)
+    sums = rank_pool.run("harness.tasks:all_reduce_rank", dim, dims)
+    for rank, total in sums.items():
+        (group,) = [g for g in layout.groups(dim) if rank in g]
+        assert total == sum(group)

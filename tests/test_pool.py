@@ -1,0 +1,132 @@
+"""The warm pool under faults: raising, hanging and dying ranks; random state; no orphans."""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from harness.pool import CaseFailure, Pool
+from tests.conftest import run_python
+
+TP4 = (("tp", 4),)
+
+
+def test_rank_that_raises_reports_every_rank(small_pool):
+    with pytest.raises(CaseFailure) as failure:
+        small_pool.run("tests.faults:raise_on_rank1", None, TP4)
+    text = str(failure.value)
+    assert "rank 1: raised: ValueError: planted failure on rank 1" in text
+    assert 'tests/faults.py", line' in text  # rank 1's own traceback
+    for rank in (0, 2, 3):  # left waiting in the collective rank 1 never joined
+        assert f"rank {rank}: hung: in all_reduce" in text
+    assert {o.status for o in failure.value.outcomes.values()} == {"raised", "hung"}
+    assert small_pool.run("harness.tasks:noop", None, TP4) == {r: None for r in range(4)}
+
+
+def test_every_rank_raising_keeps_the_pool(small_pool):
+    small_pool.start()
+    starts = small_pool.starts
+    with pytest.raises(CaseFailure) as failure:
+        small_pool.run("tests.faults:raise_everywhere", None, TP4)
+    for rank in range(4):
+        assert f"RuntimeError: planted failure on rank {rank}" in str(failure.value)
+    small_pool.run("harness.tasks:noop", None, TP4)
+    assert small_pool.starts == starts  # nobody was stuck: no restart needed
+
+
+def test_hung_rank_shows_its_stack_fails_in_time_and_the_next_case_passes(small_pool):
+    deadline = 2.0
+    start = time.monotonic()
+    with pytest.raises(CaseFailure) as failure:
+        small_pool.run("tests.faults:hang_on_last", None, TP4, deadline=deadline)
+    assert time.monotonic() - start < deadline + 10
+    text = str(failure.value)
+    assert "passed its deadline of 2.0 s" in text
+    assert "rank 3: hung: at tests/faults.py" in text and "in hang_on_last" in text
+    assert "rank 0: hung: in all_reduce" in text
+    starts = small_pool.starts
+    assert small_pool.run("tests.faults:pids", None, TP4)  # a fresh pool answers
+    assert small_pool.starts == starts + 1
+
+
+def test_rank_that_exits_is_named_with_its_exit_code(small_pool):
+    with pytest.raises(CaseFailure) as failure:
+        small_pool.run("tests.faults:exit_on_rank1", 7, TP4)
+    assert "rank 1: died: process died (exit code 7)" in str(failure.value)
+    small_pool.run("harness.tasks:noop", None, TP4)
+
+
+def test_random_state_is_private_per_rank_and_fixed_by_the_seed(small_pool):
+    first = small_pool.run("tests.faults:draw_random", None, TP4, seed=5)
+    again = small_pool.run("tests.faults:draw_random", None, TP4, seed=5)
+    other = small_pool.run("tests.faults:draw_random", None, TP4, seed=6)
+    assert all(torch.equal(first[r], again[r]) for r in range(4))
+    assert not torch.equal(first[0], first[1])
+    assert not torch.equal(first[0], other[0])
+    small_pool.kill()  # a fresh pool (fresh processes) draws the same numbers
+    fresh = small_pool.run("tests.faults:draw_random", None, TP4, seed=5)
+    assert all(torch.equal(first[r], fresh[r]) for r in range(4))
+
+
+def test_mesh_larger_than_pool_is_refused_before_running(small_pool):
+    from harness.pool import PoolError
+
+    with pytest.raises(PoolError, match="needs 8 ranks but the pool has 4"):
+        small_pool.run("harness.tasks:noop", None, (("tp", 8),))
+
+
+def test_two_pools_side_by_side_do_not_collide():
+    """What two xdist workers do: each hosts its own rendezvous on a free port."""
+    a, b = Pool(size=2), Pool(size=2)
+    try:
+        a.start()
+        b.start()
+        assert a.run("harness.tasks:all_reduce_rank", "tp", (("tp", 2),)) == {0: 1.0, 1: 1.0}
+        assert b.run("harness.tasks:all_reduce_rank", "tp", (("tp", 2),)) == {0: 1.0, 1: 1.0}
+    finally:
+        a.close()
+        b.close()
+
+
+START_POOL = """
+import json, sys
+from harness.pool import Pool
+pool = Pool(size=2)
+pool.start()
+print(json.dumps(pool.pids), flush=True)
+sys.stdin.readline()  # until the test says go: then a normal exit, through atexit
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0): count it as gone
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[1][0] != "Z"
+
+
+def _wait_gone(pids, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.mark.parametrize("ending", ["normal exit", "SIGKILL"])
+def test_no_process_is_left_behind(ending):
+    proc = run_python(START_POOL, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    pids = json.loads(proc.stdout.readline())
+    assert len(pids) == 3 and all(_alive(p) for p in pids)  # the zygote and two ranks
+    if ending == "SIGKILL":
+        proc.send_signal(signal.SIGKILL)
+    else:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    proc.wait(timeout=30)
+    assert _wait_gone(pids) == []
