@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .layout import Assembled
+from .layout import Assembled, grid
 from .tolerance import Tolerance
 
 
@@ -120,7 +120,7 @@ def _compare_one(name: str, got: Assembled, want: torch.Tensor, tol: Tolerance, 
         norm_b = float(b64.norm())
         norm_ratio = float(a64.norm()) / norm_b if norm_b else (1.0 if float(a64.norm()) == 0 else math.inf)
         bad_ranks = [
-            r for r, index in sorted(got.index.items()) if bad[torch.meshgrid(*index, indexing="ij")].any()
+            r for r, index in sorted(got.index.items()) if bad[grid(index)].any()
         ] if bad.any() else []
         rows.append(
             Row(

@@ -121,6 +121,11 @@ class Piece:
         return cls(tensor.detach().cpu(), tuple(shape), dict(placements))
 
 
+def grid(index: list[torch.Tensor]) -> tuple:
+    """Advanced-indexing key for the cross product of per-dim indices (``()`` for a 0-dim tensor)."""
+    return torch.meshgrid(*index, indexing="ij") if index else ()
+
+
 def piece_index(piece: Piece, layout: MeshLayout, rank: int) -> list[torch.Tensor]:
     """Per tensor dim, the logical indices that ``rank``'s piece covers (nested shards apply in mesh order)."""
     index = [torch.arange(s) for s in piece.shape]
@@ -170,17 +175,17 @@ def assemble(name: str, pieces: dict[int, Piece], layout: MeshLayout) -> Assembl
                 f"its placements {piece.placements} of {piece.shape} call for {expected}"
             )
         index_of[rank] = index
-        grid = torch.meshgrid(*index, indexing="ij") if index else ()
-        held = owner[grid]
+        key = grid(index)
+        held = owner[key]
         seen = held >= 0
         if seen.any():
-            d = (out[grid][seen].double() - piece.tensor[seen].double()).abs()
+            d = (out[key][seen].double() - piece.tensor[seen].double()).abs()
             d = d.nan_to_num(nan=math.inf)
             worst = float(d.max()) if d.numel() else 0.0
             if worst > gap:
                 gap, gap_ranks = worst, (int(held[seen].flatten()[int(d.argmax())]), rank)
-        out[grid] = piece.tensor
-        owner[grid] = rank
+        out[key] = piece.tensor
+        owner[key] = rank
     if (owner < 0).any():
         raise AssemblyError(f"{name}: {int((owner < 0).sum())} elements are held by no rank")
     return Assembled(out, index_of, gap, gap_ranks)

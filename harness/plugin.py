@@ -29,11 +29,21 @@ def pytest_addoption(parser):
     group.addoption("--golden-dir", default=None, help="where golden files live (default: <rootdir>/golden)")
 
 
+def _pool(config):
+    opt = config.getoption
+    return shared_pool(size=opt("--pool-size"), backend=opt("--backend"), deadline=opt("--case-deadline"))
+
+
+def pytest_collection_finish(session):
+    """Launch the pool as soon as we know a selected test needs it: ranks import torch meanwhile."""
+    if any("rank_pool" in getattr(item, "fixturenames", ()) for item in session.items):
+        _pool(session.config).launch()
+
+
 @pytest.fixture(scope="session")
 def rank_pool(pytestconfig):
     """This pytest process's warm pool of ranks, started on first use."""
-    opt = pytestconfig.getoption
-    pool = shared_pool(size=opt("--pool-size"), backend=opt("--backend"), deadline=opt("--case-deadline"))
+    pool = _pool(pytestconfig)
     yield pool
     pool.close()
 

@@ -2,7 +2,7 @@
 
 One pool per pytest process, started on first use and reused by every case: ranks are forked from
 a zygote that imported torch once, connected once over one process group (rendezvous through a
-TCPStore on port 0 hosted here, so parallel pytest workers never collide), and sent one task at a
+TCPStore on a port the OS picks, hosted by the zygote, so parallel pytest workers never collide), and sent one task at a
 time. Each task runs under a deadline. When it passes, or a rank raises or dies, every rank's
 outcome is reported (tracebacks; Python stacks of the stuck ones, gathered with faulthandler); a
 pool with stuck or dead ranks is killed and the next task starts a fresh one.
@@ -24,7 +24,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -118,8 +117,9 @@ class Pool:
         self._pids: dict[int, int] = {}
         self._exits: dict[int, int] = {}
         self._status_buf = b""
+        self._port: int | None = None
+        self._ready = False
         self._tmp: str | None = None
-        self._store = None
         self._task = 0
         self.starts = 0  # how many times a pool was started (tests check restarts)
         atexit.register(self.close)
@@ -134,20 +134,18 @@ class Pool:
         """Process ids of the zygote and the ranks (empty when not started)."""
         return ([self._proc.pid] if self._proc else []) + list(self._pids.values())
 
-    def start(self) -> None:
-        if self.alive:
+    def launch(self) -> None:
+        """Start the zygote without waiting for it: its torch import overlaps the caller's work."""
+        if self._proc is not None and self._proc.poll() is None:
             return
-        import torch.distributed as dist
-
-        self.close()
+        self.kill()
         self._tmp = tempfile.mkdtemp(prefix="harness-pool-")
-        self._store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=60), wait_for_workers=False)
         pairs = [socket.socketpair() for _ in range(self.size)]
         child_fds = [child.fileno() for _, child in pairs]
         for fd in child_fds:
             os.set_inheritable(fd, True)
-        spec = {"parent": os.getpid(), "fds": child_fds, "port": self._store.port, "backend": self.backend,
-                "tmp": self._tmp, "preload": list(self.preload)}
+        spec = {"parent": os.getpid(), "fds": child_fds, "backend": self.backend, "tmp": self._tmp,
+                "preload": list(self.preload)}
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
         with open(os.path.join(self._tmp, "zygote.log"), "wb") as err:
             self._proc = subprocess.Popen(
@@ -156,15 +154,25 @@ class Pool:
                 start_new_session=True, env=env,
             )
         self.starts += 1
-        for parent_end, child in pairs:
+        self._ready = False
+        for _, child in pairs:
             child.close()
         self._conns = [Connection(parent.detach()) for parent, _ in pairs]
-        self._pids, self._exits, self._status_buf = {}, {}, b""
+        self._pids, self._exits, self._status_buf, self._port = {}, {}, b"", None
+
+    def start(self) -> None:
+        """Launch if needed and wait until every rank has joined the process group."""
+        if self.alive and self._ready:
+            return
+        self.launch()
         end = time.monotonic() + self.start_timeout
-        while not self._pids:
+        while self._port is None:
             self._read_status(max(0.0, end - time.monotonic()))
-            if self._proc.poll() is not None or time.monotonic() > end:
+            if self._port is None and (self._proc.poll() is not None or time.monotonic() > end):
                 self._fail_start("the zygote exited or did not fork the ranks in time")
+        port = pickle.dumps(("port", self._port))
+        for conn in self._conns:
+            conn.send_bytes(port)
         ready = set()
         while len(ready) < self.size:
             left = end - time.monotonic()
@@ -177,6 +185,7 @@ class Pool:
                 except (EOFError, OSError):
                     self._fail_start(f"rank {self._conns.index(conn)} died while starting")
                 ready.add(rank)
+        self._ready = True
 
     def _fail_start(self, why: str) -> None:
         logs = self._logs(range(self.size), tail=20)
@@ -197,8 +206,7 @@ class Pool:
             self._proc = None
         for conn in self._conns:
             conn.close()
-        self._conns, self._pids = [], {}
-        self._store = None
+        self._conns, self._pids, self._ready = [], {}, False
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
@@ -336,6 +344,7 @@ class Pool:
             record = json.loads(line)
             if "pids" in record:
                 self._pids = {int(r): p for r, p in record["pids"].items()}
+                self._port = record["port"]
             else:
                 self._exits[record["exit"]] = record["code"]
         if not chunk:

@@ -63,8 +63,11 @@ def zygote_main() -> None:
         pids[rank] = pid
     for fd in spec["fds"]:
         os.close(fd)
+    # The rendezvous store lives here, created after the forks (no server thread is ever forked),
+    # on a port the OS picks, so parallel pools never collide. The parent relays the port.
+    store = torch.distributed.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     status = sys.stdout
-    status.write(json.dumps({"pids": pids}) + "\n")
+    status.write(json.dumps({"pids": pids, "port": store.port}) + "\n")
     status.flush()
     ranks = {pid: rank for rank, pid in pids.items()}
     while ranks:
@@ -119,7 +122,8 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
     conn = Connection(fd)
     backend, world = spec["backend"], len(spec["fds"])
     device = rank_device(backend, rank)
-    store = dist.TCPStore("127.0.0.1", spec["port"], world, is_master=False)
+    _, port = pickle.loads(conn.recv_bytes())  # ("port", p): where the zygote's store listens
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     _send(conn, ("ready", rank))
     meshes: dict[tuple, DeviceMesh] = {}
