@@ -1,0 +1,129 @@
+"""Benchmarks of the harness: ``python -m harness.bench [--json] [--repeats N]``.
+
+Measures, in one invocation (this machine is shared and noisy, so figures are medians, and the
+speedup is a ratio against the baseline run right here):
+
+* pool start: a fresh pool of 8 ranks, from nothing to every rank joined;
+* empty case round trip at world 2, 4 and 8;
+* the TP MLP cell at tp=4 (fp32): run, assemble, compare with the cached reference;
+* spawn-per-test, the baseline: the same cell in freshly spawned processes with a fresh process
+  group, as PyTorch's MultiProcessTestCase runs each test.
+
+With ``--json`` the last line printed is one JSON object with the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import pickle
+import statistics
+import tempfile
+import time
+
+from .cell import reference_for, run_cell
+from .compare import compare
+from .config import Config
+from .layout import MeshLayout, assemble
+from .pool import Pool
+from .registry import validate
+from .tolerance import tolerance
+
+TP_MLP = Config("tp", "ours", {"tp": 4}, "fp32", dict(b=4, s=8, h=16, f=32, v=40), {"op": "mlp"})
+
+
+def _median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _spawned_rank(rank: int, world: int, store_path: str, cfg: Config, out) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from .context import RankContext
+    from .rank import resolve
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    layout = MeshLayout.of(cfg.mesh)
+    mesh = DeviceMesh("cpu", torch.arange(world).view(layout.shape), mesh_dim_names=layout.names)
+    impl = validate(cfg).implementations[cfg.impl]
+    pieces = resolve(impl.run)(RankContext(rank, layout, mesh, torch.device("cpu"), "gloo"), cfg)
+    out.send_bytes(pickle.dumps(pieces))  # plain pickle, as the pool sends results
+    dist.destroy_process_group()
+
+
+def spawn_per_test(cfg: Config) -> None:
+    """One test the MultiProcessTestCase way: spawn ranks, init a process group, run, tear down."""
+    ctx = multiprocessing.get_context("spawn")
+    pipes = [ctx.Pipe(duplex=False) for _ in range(cfg.world)]
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_spawned_rank, args=(r, cfg.world, os.path.join(tmp, "store"), cfg, pipes[r][1]))
+                 for r in range(cfg.world)]
+        for p in procs:
+            p.start()
+        pieces = {r: pickle.loads(recv.recv_bytes()) for r, (recv, _) in enumerate(pipes)}
+        for p in procs:
+            p.join()
+            if p.exitcode:
+                raise RuntimeError(f"spawned rank exited with {p.exitcode}")
+    layout = MeshLayout.of(cfg.mesh)
+    got = {n: assemble(n, {r: pieces[r][n] for r in pieces}, layout) for n in pieces[0]}
+    report = compare(got, reference_for(cfg), tolerance(cfg.dtype, validate(cfg).reduction_size(cfg)))
+    assert report.ok, report.table()
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m harness.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object, last line")
+    parser.add_argument("--repeats", type=int, default=200, help="round trips per empty-case median")
+    parser.add_argument("--starts", type=int, default=3, help="pool starts (and spawn-per-test runs) per median")
+    args = parser.parse_args(argv)
+
+    starts = []
+    for _ in range(args.starts):
+        pool = Pool(size=8)
+        t = time.perf_counter()
+        pool.start()
+        starts.append(time.perf_counter() - t)
+        pool.close()
+    pool = Pool(size=8)
+    pool.start()
+    empty = {}
+    for world in (2, 4, 8):
+        mesh = (("tp", world),)
+        pool.run("harness.tasks:noop", None, mesh)  # creates and caches the mesh's groups
+        empty[str(world)] = _median_ms(lambda: pool.run("harness.tasks:noop", None, mesh), args.repeats)
+    run_cell(TP_MLP, pool)  # warm: reference computed, groups cached, modules imported
+    tp_ms = _median_ms(lambda: run_cell(TP_MLP, pool), max(20, args.repeats // 10))
+    pool.close()
+    spawn = [_median_ms(lambda: spawn_per_test(TP_MLP), 1) / 1e3 for _ in range(args.starts)]
+    figures = {
+        "pool_start_s": round(statistics.median(starts), 3),
+        "empty_case_ms": {k: round(v, 3) for k, v in empty.items()},
+        "tp_mlp_case_ms": round(tp_ms, 2),
+        "spawn_per_test_s": round(statistics.median(spawn), 3),
+        "speedup_vs_spawn": round(statistics.median(spawn) * 1e3 / tp_ms, 1),
+        "repeats": args.repeats,
+        "cpus": os.cpu_count(),
+    }
+    print(f"pool start (8 ranks)      {figures['pool_start_s']:8.2f} s   median of {args.starts}")
+    for world, ms in figures["empty_case_ms"].items():
+        print(f"empty case, world {world}       {ms:8.2f} ms  median of {args.repeats}")
+    print(f"TP MLP cell, tp=4         {tp_ms:8.2f} ms  run + assemble + compare")
+    print(f"spawn-per-test, same cell {figures['spawn_per_test_s']:8.2f} s   median of {args.starts}")
+    print(f"speedup per case          {figures['speedup_vs_spawn']:8.1f} x")
+    if args.json:
+        print(json.dumps(figures))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
