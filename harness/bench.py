@@ -28,7 +28,7 @@ from .config import Config
 from .layout import MeshLayout, assemble
 from .pool import Pool
 from .registry import validate
-from .tolerance import tolerance
+from .tolerance import Tolerances
 
 TP_MLP = Config("tp", "ours", {"tp": 4}, "fp32", dict(b=4, s=8, h=16, f=32, v=40), {"op": "mlp"})
 
@@ -76,7 +76,7 @@ def spawn_per_test(cfg: Config) -> None:
                 raise RuntimeError(f"spawned rank exited with {p.exitcode}")
     layout = MeshLayout.of(cfg.mesh)
     got = {n: assemble(n, {r: pieces[r][n] for r in pieces}, layout) for n in pieces[0]}
-    report = compare(got, reference_for(cfg), tolerance(cfg.dtype, validate(cfg).reduction_size(cfg)))
+    report = compare(got, reference_for(cfg), Tolerances(cfg.dtype, validate(cfg).reduction_size(cfg)))
     assert report.ok, report.table()
 
 

@@ -13,7 +13,7 @@ from .golden import GoldenError, golden_path, metadata, read_golden, write_golde
 from .layout import AssemblyError, MeshLayout, assemble
 from .pool import Pool
 from .registry import validate
-from .tolerance import Tolerance, tolerance
+from .tolerance import Tolerances
 
 
 class Divergence(AssertionError):
@@ -23,7 +23,7 @@ class Divergence(AssertionError):
 @dataclass
 class CellOutcome:
     cfg: Config
-    tol: Tolerance
+    tol: Tolerances
     parity: Report
     golden: Report | None = None
     golden_status: str = "not checked"  # identical, within tolerance, written, updated
@@ -59,7 +59,7 @@ def run_cell(cfg: Config, pool: Pool, *, golden_dir: Path | None = None, update_
     """Parity with the reference first (the gate), then the golden file (drift over time)."""
     start = time.perf_counter()
     component = validate(cfg, pool.size)
-    tol = tolerance(cfg.dtype, component.reduction_size(cfg))
+    tol = Tolerances(cfg.dtype, component.reduction_size(cfg))
     assembled = run_parallel(cfg, pool)
     outcome = CellOutcome(cfg, tol, compare(assembled, reference_for(cfg), tol))
     outcome.result = {name: a.tensor for name, a in assembled.items()}

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .layout import Assembled, grid
-from .tolerance import Tolerance
+from .tolerance import Tolerance, Tolerances
 
 
 @dataclass
@@ -81,8 +81,11 @@ def _as_assembled(value) -> Assembled:
     return Assembled(value, {}, 0.0, None)
 
 
-def compare(actual: dict, expected: dict[str, torch.Tensor], tol: Tolerance) -> Report:
-    """Hold every tensor of ``actual`` (logical tensors or :class:`Assembled`) against ``expected``."""
+def compare(actual: dict, expected: dict[str, torch.Tensor], tol: Tolerance | Tolerances) -> Report:
+    """Hold every tensor of ``actual`` (logical tensors or :class:`Assembled`) against ``expected``.
+
+    ``tol`` is one tolerance for all, or :class:`Tolerances` giving each tensor its own reduction size.
+    """
     report = Report()
     for name in sorted(set(expected) | set(actual)):
         if name not in actual:
@@ -94,7 +97,8 @@ def compare(actual: dict, expected: dict[str, torch.Tensor], tol: Tolerance) -> 
             report.bit_identical = False
             continue
         got = _as_assembled(actual[name])
-        report.rows.extend(_compare_one(name, got, expected[name], tol, report))
+        one = tol.get(name) if isinstance(tol, Tolerances) else tol
+        report.rows.extend(_compare_one(name, got, expected[name], one, report))
     return report
 
 

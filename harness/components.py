@@ -11,3 +11,15 @@ register_component(Component(
         "dtensor": Implementation("dtensor", "parallel.tp_dtensor:run", skip="parallel.tp_dtensor:skip_reason"),
     },
 ))
+
+register_component(Component(
+    name="ringattn",
+    reference="reference.ring_attention:reference",
+    validate="parallel.ring_attention:validate",
+    reduction="reference.ring_attention:reduction_size",
+    implementations={
+        "ours": Implementation("ours", "parallel.ring_attention:run"),
+        "torch": Implementation("torch", "parallel.ring_attention_torch:run",
+                                skip="parallel.ring_attention_torch:skip_reason"),
+    },
+))

@@ -40,7 +40,9 @@ class Component:
     name: str
     reference: str  # "module:function", cfg -> dict[str, Tensor] of logical fp64 tensors
     validate: str  # "module:function", raises ConfigError
-    reduction: str  # "module:function", cfg -> most terms any result adds (for the tolerance)
+    # "module:function", cfg -> terms a result's reduction adds, for the tolerance: an int for every
+    # result, or {tensor name: n} with "*" for the rest
+    reduction: str
     implementations: dict[str, Implementation] = field(default_factory=dict)
 
     def check(self, cfg: Config) -> None:
@@ -54,7 +56,7 @@ class Component:
     def reference_result(self, cfg: Config):
         return _load(self.reference)(cfg)
 
-    def reduction_size(self, cfg: Config) -> int:
+    def reduction_size(self, cfg: Config) -> int | dict[str, int]:
         return _load(self.reduction)(cfg)
 
 

@@ -45,6 +45,22 @@ class Tolerance:
         return f"rtol={self.rtol:.3g} ({self.dtype}, n={self.reduction})"
 
 
+class Tolerances:
+    """The policy applied per result: ``reduction`` maps a tensor name to its ``n`` ("*": the rest)."""
+
+    def __init__(self, dtype: str, reduction: int | dict[str, int]):
+        self.dtype = dtype
+        self.sizes = dict(reduction) if isinstance(reduction, dict) else {"*": int(reduction)}
+        self._default = tolerance(dtype, self.sizes["*"])
+
+    def get(self, name: str) -> Tolerance:
+        return tolerance(self.dtype, self.sizes[name]) if name in self.sizes else self._default
+
+    def __str__(self) -> str:
+        extra = ", ".join(f"{k} n={v}" for k, v in sorted(self.sizes.items()) if k != "*")
+        return f"{self._default}" + (f"; {extra}" if extra else "")
+
+
 def tolerance(dtype: str, reduction: int) -> Tolerance:
     """Tolerance for results computed in ``dtype`` through reductions of up to ``reduction`` terms."""
     if dtype not in EPS:

@@ -126,7 +126,8 @@ def reference(cfg: Config) -> dict[str, torch.Tensor]:
     return result
 
 
-def reduction_size(cfg: Config) -> int:
-    """The most terms any result adds: a matmul's inner dim, or a weight gradient's token count."""
+def reduction_size(cfg: Config) -> dict[str, int]:
+    """Terms each result adds: a matmul's inner dim or a weight gradient's tokens; the loss sums
+    every output element against the probe (or every logit, for xent)."""
     b, s, h, f, v = (cfg.size(k) for k in "bshfv")
-    return max(h, f, v, b * s)
+    return {"*": max(h, f, v, b * s), "loss": b * s * max(h, f, v)}

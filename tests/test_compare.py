@@ -84,3 +84,16 @@ def test_tolerance_grows_with_reduction_size_and_dtype():
     assert tolerance("bf16", 16).rtol > tolerance("fp16", 16).rtol > tolerance("fp32", 16).rtol
     with pytest.raises(ValueError, match="no tolerance for dtype 'int8'"):
         tolerance("int8", 1)
+
+
+def test_each_tensor_gets_its_own_reduction_size():
+    from harness.tolerance import Tolerances
+
+    tols = Tolerances("fp32", {"*": 16, "loss": 4096})
+    assert tols.get("loss").rtol == tolerance("fp32", 4096).rtol
+    assert tols.get("grad/w").rtol == tolerance("fp32", 16).rtol
+    want = {"loss": reference(1)[0], "grad/w": reference(8)}
+    got = {"loss": want["loss"] * (1 + 1e-5), "grad/w": want["grad/w"] * (1 + 1e-5)}
+    # 1e-5 relative: within the loss's tolerance (n=4096), beyond that of a 16-term result
+    assert [r.tensor for r in compare(got, want, tols).failing()] == ["grad/w"]
+    assert "loss n=4096" in str(tols)
