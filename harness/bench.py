@@ -5,7 +5,8 @@ speedup is a ratio against the baseline run right here):
 
 * pool start: a fresh pool of 8 ranks, from nothing to every rank joined;
 * empty case round trip at world 2, 4 and 8;
-* the TP MLP cell at tp=4 (fp32): run, assemble, compare with the cached reference;
+* the TP MLP cell at tp=4 and a ring-attention cell at cp=4 (fp32): run, assemble, compare with the
+  cached reference;
 * spawn-per-test, the baseline: the same cell in freshly spawned processes with a fresh process
   group, as PyTorch's MultiProcessTestCase runs each test.
 
@@ -31,6 +32,8 @@ from .registry import validate
 from .tolerance import Tolerances
 
 TP_MLP = Config("tp", "ours", {"tp": 4}, "fp32", dict(b=4, s=8, h=16, f=32, v=40), {"op": "mlp"})
+RING_CP4 = Config("ringattn", "ours", {"cp": 4}, "fp32", dict(b=2, s=48, h=16, q=4, d=4),
+                  {"mask": "causal", "layout": "zigzag", "gqa": "on"})
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -101,14 +104,18 @@ def main(argv=None) -> dict:
         mesh = (("tp", world),)
         pool.run("harness.tasks:noop", None, mesh)  # creates and caches the mesh's groups
         empty[str(world)] = _median_ms(lambda: pool.run("harness.tasks:noop", None, mesh), args.repeats)
+    cell_repeats = max(20, args.repeats // 10)
     run_cell(TP_MLP, pool)  # warm: reference computed, groups cached, modules imported
-    tp_ms = _median_ms(lambda: run_cell(TP_MLP, pool), max(20, args.repeats // 10))
+    tp_ms = _median_ms(lambda: run_cell(TP_MLP, pool), cell_repeats)
+    run_cell(RING_CP4, pool)
+    ring_ms = _median_ms(lambda: run_cell(RING_CP4, pool), cell_repeats)
     pool.close()
     spawn = [_median_ms(lambda: spawn_per_test(TP_MLP), 1) / 1e3 for _ in range(args.starts)]
     figures = {
         "pool_start_s": round(statistics.median(starts), 3),
         "empty_case_ms": {k: round(v, 3) for k, v in empty.items()},
         "tp_mlp_case_ms": round(tp_ms, 2),
+        "ring_cp4_case_ms": round(ring_ms, 2),
         "spawn_per_test_s": round(statistics.median(spawn), 3),
         "speedup_vs_spawn": round(statistics.median(spawn) * 1e3 / tp_ms, 1),
         "repeats": args.repeats,
@@ -117,7 +124,8 @@ def main(argv=None) -> dict:
     print(f"pool start (8 ranks)      {figures['pool_start_s']:8.2f} s   median of {args.starts}")
     for world, ms in figures["empty_case_ms"].items():
         print(f"empty case, world {world}       {ms:8.2f} ms  median of {args.repeats}")
-    print(f"TP MLP cell, tp=4         {tp_ms:8.2f} ms  run + assemble + compare")
+    print(f"TP MLP cell, tp=4         {tp_ms:8.2f} ms  run + assemble + compare, median of {cell_repeats}")
+    print(f"ring attention cell, cp=4 {ring_ms:8.2f} ms  causal zigzag GQA s=48, median of {cell_repeats}")
     print(f"spawn-per-test, same cell {figures['spawn_per_test_s']:8.2f} s   median of {args.starts}")
     print(f"speedup per case          {figures['speedup_vs_spawn']:8.1f} x")
     if args.json:

@@ -30,6 +30,8 @@ class Implementation:
     run: str  # "module:function", run(ctx, cfg) on every rank of the mesh
     # "module:function" returning a reason to skip a config on this machine, or None
     skip: str | None = None
+    # results of the reference this implementation cannot produce (e.g. SDPA returns no log-sum-exp)
+    omits: tuple[str, ...] = ()
 
     def skip_reason(self, cfg: Config) -> str | None:
         return _load(self.skip)(cfg) if self.skip else None
@@ -68,9 +70,10 @@ def register_component(component: Component) -> Component:
     return component
 
 
-def register_implementation(component: str, name: str, run: str, skip: str | None = None) -> None:
+def register_implementation(component: str, name: str, run: str, skip: str | None = None,
+                            omits: tuple[str, ...] = ()) -> None:
     """Add (or replace) implementation ``name`` of ``component``; ``run`` is imported on the ranks."""
-    get(component).implementations[name] = Implementation(name, run, skip)
+    get(component).implementations[name] = Implementation(name, run, skip, tuple(omits))
 
 
 def get(name: str) -> Component:

@@ -72,6 +72,24 @@ def test_invalid_tp_configs_are_rejected_before_any_rank_runs(mesh, sizes, switc
         validate(Config("tp", "ours", mesh, "fp32", sizes, switches))
 
 
+RING = dict(b=2, s=24, h=16, q=4, d=4)
+RING_SWITCHES = {"mask": "causal", "layout": "zigzag", "gqa": "on"}
+
+
+@pytest.mark.parametrize("mesh, sizes, switches, message", [
+    ({"cp": 8}, RING, RING_SWITCHES, r"sequence s=24 does not split into 2·cp=16 zigzag chunks: choose s a multiple of 16"),
+    ({"cp": 5}, RING, dict(RING_SWITCHES, layout="contig"), r"sequence s=24 does not split into cp=5 chunks"),
+    ({"cp": 2, "tp": 3}, RING, dict(RING_SWITCHES, gqa="off"), r"tp=3 does not divide query heads q=4"),
+    ({"cp": 2, "tp": 2}, dict(RING, q=2), RING_SWITCHES, r"tp=2 does not divide query heads q=2|tp=2 does not divide the K/V heads \(1\)"),
+    ({"cp": 2}, dict(RING, q=3), RING_SWITCHES, r"query heads q=3 must be even"),
+    ({"cp": 2, "pp": 2}, RING, RING_SWITCHES, r"ringattn cells take mesh dims dp, cp and tp"),
+    ({"cp": 2}, RING, dict(RING_SWITCHES, layout="striped"), r"layout in \('contig', 'zigzag'\)"),
+])
+def test_invalid_ring_attention_configs_name_the_rule(mesh, sizes, switches, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(Config("ringattn", "ours", mesh, "fp32", sizes, switches))
+
+
 def test_unknown_component_and_implementation():
     with pytest.raises(ConfigError, match="unknown component 'nope'"):
         validate(Config("nope", "ours", {"tp": 1}, "fp32"))
