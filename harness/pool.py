@@ -77,13 +77,13 @@ def summarize_stack(text: str, root: str = "") -> tuple[str, str]:
     main = next((t for t in threads if "harness/rank.py" in t), threads[-1] if threads else "")
     frames = [m.groupdict() for m in map(_FRAME.match, main.splitlines()) if m]  # innermost first
 
+    # shortest readable path: relative to the working directory or the import root that holds it
+    bases = sorted({b for b in [root, *sys.path] if b and os.path.isabs(b)}, key=len, reverse=True)
+
     def short(frame: dict) -> str:
         path = frame["file"]
-        if root and path.startswith(root + os.sep):
-            path = os.path.relpath(path, root)
-        elif "site-packages/" in path:
-            path = path.split("site-packages/", 1)[1]
-        return f"{path}:{frame['line']}"
+        base = next((b for b in bases if path.startswith(b.rstrip(os.sep) + os.sep)), None)
+        return f"{os.path.relpath(path, base) if base else path}:{frame['line']}"
 
     collective = next((f for f in frames if "distributed_c10d" in f["file"]), None) or next(
         (f for f in frames if "torch/distributed" in f["file"]), None

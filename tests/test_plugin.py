@@ -77,3 +77,29 @@ register_implementation("tp", "buggy", "buggy:run")
         "reproduce: pytest 'test_cells.py::test_tp?tp-buggy-tp2-fp32-op_mlp-*?'",  # ? for [ ]: fnmatch
     ])
     assert not list((project.path / "golden" / "tp").glob("*buggy*"))  # a diverging cell writes no golden
+
+
+def test_a_hung_cell_fails_with_every_rank_stack_and_the_next_cell_passes(project):
+    project.makepyfile(hang='''
+import time
+import parallel.tp as tp
+
+def run(ctx, cfg):
+    if ctx.rank == 1:
+        while True:
+            time.sleep(0.05)
+    return tp.run(ctx, cfg)
+''')
+    project.makeconftest('''
+pytest_plugins = ["harness.plugin"]
+from harness.registry import register_implementation
+register_implementation("tp", "hang", "hang:run")
+''')
+    project.makepyfile(test_cells=CASES.replace('impls=["ours"]', 'impls=["hang", "ours"]'))
+    result = run(project, "-k", "tp2 and fp32", "--case-deadline", "3", "--update-golden")
+    result.assert_outcomes(failed=1, passed=1, deselected=6)  # the hung cell runs first
+    result.stdout.fnmatch_lines([
+        "*case tp-hang-tp2-fp32-* passed its deadline of 3.0 s: ranks ?0, 1? still running",
+        "*rank 0: hung: in all_reduce* at parallel/collectives.py:* in _all_reduce",
+        "*rank 1: hung: at hang.py:* in run",
+    ])
