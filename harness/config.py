@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 DTYPES = ("fp64", "fp32", "bf16", "fp16")
 

@@ -44,7 +44,7 @@ def zygote_main() -> None:
     die_with_parent(spec["parent"])
     import torch  # noqa: F401  the expensive import, paid once for all ranks
     import torch.distributed  # noqa: F401
-    from torch.distributed.device_mesh import DeviceMesh  # noqa: F401
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: F401  preloaded for every rank
 
     for module in spec["preload"]:
         importlib.import_module(module)

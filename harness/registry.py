@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .config import Config, ConfigError
 

@@ -24,10 +24,11 @@ import torch.distributed as dist
 from harness.config import Config, ConfigError, require_divides
 from harness.context import RankContext
 from harness.layout import Piece, Shard, shard_indices, take
-from reference.common import grad_name, param_name, probe_loss, sgd_step
+from reference.common import grad_name, param_name, probe_loss
 from reference.ring_attention import PARAMS, kv_heads, make_problem, merge_heads, split_heads
 
 from .collectives import all_reduce_, copy_to_group, reduce_from_group
+from .step import reduce_and_step
 
 LAYOUTS = ("contig", "zigzag")
 MASKS = ("causal", "full")
@@ -199,13 +200,8 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     # each cp rank holds some tokens: its loss is partial, and so are its parameter gradients
     loss = reduce_from_group(probe_loss(out, local(problem.probe), problem.tokens), cp)
     loss.backward()
-    grads = [t.grad for t in params.values()]
-    all_reduce_(grads, cp)
-    all_reduce_(grads, dp)
-    with torch.no_grad():
-        sgd_step(list(params.values()))
-        total = loss.detach().clone()
-        all_reduce_([total], dp)
+    all_reduce_([t.grad for t in params.values()], cp)  # the loss is already summed over cp
+    total = reduce_and_step(list(params.values()), loss, [dp])
 
     b, s = problem.x.shape[:2]
     d = cfg.size("d")

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from harness.config import Config
 from harness.context import RankContext
 from harness.layout import Piece, Shard, take
-from reference.common import grad_name, param_name, probe_loss, sgd_step
+from reference.common import grad_name, param_name, probe_loss
 from reference.ring_attention import PARAMS, kv_heads, make_problem, merge_heads, split_heads
 
-from .collectives import all_reduce_
+from .step import reduce_and_step
 from .ring_attention import sequence_shard
 
 OMITS = ("lse",)
@@ -60,14 +60,7 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
         out = merge_heads(attn) @ params["wo"].T
         loss = probe_loss(out, probe, problem.tokens)
         loss.backward()
-    grads = [t.grad for t in params.values()]
-    all_reduce_(grads, cp)
-    all_reduce_(grads, dp)
-    with torch.no_grad():
-        sgd_step(list(params.values()))
-        total = loss.detach().clone()
-        all_reduce_([total], cp)
-        all_reduce_([total], dp)
+    total = reduce_and_step(list(params.values()), loss, [cp, dp])
 
     b, s = problem.x.shape[:2]
     d = cfg.size("d")

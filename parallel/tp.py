@@ -25,11 +25,12 @@ import torch.nn.functional as F
 from harness.config import Config, ConfigError, require_divides
 from harness.context import RankContext
 from harness.layout import Piece, Shard, chunk_bounds, empty_chunk_rule, take
-from reference.common import grad_name, param_name, probe_loss, sgd_step
+from reference.common import grad_name, param_name, probe_loss
 from reference.tp import LN_EPS, OPS, make_problem
 
-from .collectives import (all_gather_dim, all_reduce_, copy_to_group, gather_from_group, reduce_from_group,
-                          reduce_scatter_dim, split_to_group)
+from .collectives import (all_gather_dim, copy_to_group, gather_from_group, reduce_from_group, reduce_scatter_dim,
+                          split_to_group)
+from .step import reduce_and_step
 
 COL, ROW = Shard(0), Shard(1)  # weight [out, in]: column-parallel splits out, row-parallel splits in
 MLP_PLAN = {"w1": COL, "b1": COL, "w2": ROW, "b2": None}
@@ -168,12 +169,7 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
         if op in OUTPUT_PLAN:  # each tp rank saw part of the output: its loss is partial
             loss = reduce_from_group(loss, tp)
     loss.backward()
-    grads = [t.grad for t in params.values()]
-    all_reduce_(grads, dp)  # losses are normalised by the global token count: sum over dp
-    with torch.no_grad():
-        sgd_step(list(params.values()))
-        total = loss.detach().clone()
-        all_reduce_([total], dp)
+    total = reduce_and_step(list(params.values()), loss, [dp])
 
     mesh_out = {"dp": batch} | ({"tp": OUTPUT_PLAN[op]} if op in OUTPUT_PLAN else {})
     pieces = {

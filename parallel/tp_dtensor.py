@@ -17,10 +17,10 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 from harness.config import Config
 from harness.context import RankContext
 from harness.layout import Piece, Shard, take
-from reference.common import grad_name, param_name, probe_loss, sgd_step
+from reference.common import grad_name, param_name, probe_loss
 from reference.tp import LN_EPS, make_problem
 
-from .collectives import all_reduce_
+from .step import reduce_and_step
 from .tp import INPUT_PLAN, OUTPUT_PLAN
 
 
@@ -136,12 +136,8 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
             loss = DTensor.from_local(loss, tp_mesh, [Partial()]).full_tensor()
         loss.backward()
     params = dict(model.named_parameters())
-    all_reduce_([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params.values()], dp)
+    total = reduce_and_step(list(params.values()), loss, [dp])
     grads = {k: p.grad for k, p in params.items()}
-    with torch.no_grad():
-        sgd_step(list(params.values()))
-        total = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().clone()
-        all_reduce_([total], dp)
 
     pieces = {
         "out": _piece(out, problem.out_shape, OUTPUT_PLAN.get(op), dp=batch),

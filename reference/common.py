@@ -22,6 +22,15 @@ def probe_loss(out: torch.Tensor, probe: torch.Tensor, tokens: int) -> torch.Ten
     return (out.to(dtype) * probe.to(dtype)).sum() / tokens
 
 
+def record_step(params: dict[str, torch.Tensor], result: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """After backward: add every parameter's gradient, take the SGD step, add the parameters after it."""
+    result.update({grad_name(k): t.grad.clone() for k, t in params.items()})
+    with torch.no_grad():
+        sgd_step(list(params.values()))
+    result.update({param_name(k): t.detach() for k, t in params.items()})
+    return result
+
+
 def grad_name(name: str) -> str:
     return f"grad/{name}"
 

@@ -19,7 +19,7 @@ from harness.config import Config
 from harness.context import generator
 from harness.tolerance import TORCH_DTYPE
 
-from .common import grad_name, param_name, probe_loss, sgd_step
+from .common import grad_name, probe_loss, record_step
 
 SIZES = dict(b=2, h=16, q=4, d=4)  # batch, model dim, query heads, head dim; s is swept
 PARAMS = ("wq", "wk", "wv", "wo")
@@ -93,11 +93,7 @@ def reference(cfg: Config) -> dict[str, torch.Tensor]:
     loss.backward()
     result = {"out": out.detach(), "loss": loss.detach(), "attn": attn.detach(), "lse": lse.detach(),
               grad_name("x"): x.grad, grad_name("q"): q.grad, grad_name("k"): k.grad, grad_name("v"): v.grad}
-    result.update({grad_name(k): t.grad.clone() for k, t in params.items()})
-    with torch.no_grad():
-        sgd_step(list(params.values()))
-    result.update({param_name(k): t.detach() for k, t in params.items()})
-    return result
+    return record_step(params, result)
 
 
 def reduction_size(cfg: Config) -> dict[str, int]:

@@ -23,7 +23,7 @@ from harness.config import Config
 from harness.context import generator
 from harness.tolerance import TORCH_DTYPE
 
-from .common import grad_name, param_name, probe_loss, sgd_step
+from .common import grad_name, probe_loss, record_step
 
 OPS = ("colgather", "colshard", "rowsplit", "rowshard", "mlp", "sp", "embed", "xent", "gateup")
 SIZES = dict(b=4, s=8, h=16, f=32, v=40)
@@ -119,11 +119,7 @@ def reference(cfg: Config) -> dict[str, torch.Tensor]:
     result = {"out": out.detach(), "loss": loss.detach()}
     if "x" in inputs:
         result[grad_name("x")] = inputs["x"].grad
-    result.update({grad_name(k): t.grad.clone() for k, t in params.items()})
-    with torch.no_grad():
-        sgd_step(list(params.values()))
-    result.update({param_name(k): t.detach() for k, t in params.items()})
-    return result
+    return record_step(params, result)
 
 
 def reduction_size(cfg: Config) -> dict[str, int]:
