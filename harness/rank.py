@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -23,10 +24,10 @@ from multiprocessing.connection import Connection
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent: int) -> None:
-    """Exit when ``parent`` exits, even by SIGKILL: no orphaned ranks."""
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
+    """Receive ``sig`` when ``parent`` exits, even by SIGKILL: no orphaned ranks."""
     if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
     if not sys.platform.startswith("linux"):  # portable fallback: poll for re-parenting
@@ -41,7 +42,13 @@ def die_with_parent(parent: int) -> None:
 
 def zygote_main() -> None:
     spec = json.loads(sys.argv[1])
-    die_with_parent(spec["parent"])
+
+    def orphaned(*_) -> None:  # the parent died without cleaning up: remove what it left, then go
+        shutil.rmtree(spec["tmp"], ignore_errors=True)
+        os._exit(1)  # the ranks follow: their death signal is tied to this process
+
+    signal.signal(signal.SIGTERM, orphaned)
+    die_with_parent(spec["parent"], signal.SIGTERM)
     import torch  # noqa: F401  the expensive import, paid once for all ranks
     import torch.distributed  # noqa: F401
     from torch.distributed.device_mesh import DeviceMesh  # noqa: F401  preloaded for every rank

@@ -2,8 +2,13 @@ import os
 import sys
 
 import pytest
+from hypothesis import settings
 
 from harness.pool import Pool
+
+# no example database left in the working tree; no per-example deadline on a loaded 2-core machine
+settings.register_profile("harness", database=None, deadline=None)
+settings.load_profile("harness")
 
 pytest_plugins = ["pytester"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -96,7 +96,7 @@ import json, sys
 from harness.pool import Pool
 pool = Pool(size=2)
 pool.start()
-print(json.dumps(pool.pids), flush=True)
+print(json.dumps([pool.pids, pool._tmp]), flush=True)
 sys.stdin.readline()  # until the test says go: then a normal exit, through atexit
 """
 
@@ -121,8 +121,9 @@ def _wait_gone(pids, timeout=10.0):
 @pytest.mark.parametrize("ending", ["normal exit", "SIGKILL"])
 def test_no_process_is_left_behind(ending):
     proc = run_python(START_POOL, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    pids = json.loads(proc.stdout.readline())
+    pids, tmp = json.loads(proc.stdout.readline())
     assert len(pids) == 3 and all(_alive(p) for p in pids)  # the zygote and two ranks
+    assert os.path.isdir(tmp)
     if ending == "SIGKILL":
         proc.send_signal(signal.SIGKILL)
     else:
@@ -130,3 +131,4 @@ def test_no_process_is_left_behind(ending):
         proc.stdin.flush()
     proc.wait(timeout=30)
     assert _wait_gone(pids) == []
+    assert not os.path.exists(tmp)  # nor its temporary directory (stack dumps, rank logs)
