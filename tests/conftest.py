@@ -6,7 +6,8 @@ from hypothesis import settings
 
 from harness.pool import Pool
 
-# no example database left in the working tree; no per-example deadline on a loaded 2-core machine
+# no example database written; no per-example deadline on a loaded 2-core machine. (Hypothesis still
+# caches code constants in .hypothesis/, gitignored like __pycache__.)
 settings.register_profile("harness", database=None, deadline=None)
 settings.load_profile("harness")
 
