@@ -261,9 +261,17 @@ class Pool:
             for conn in ready:
                 rank = conn_rank[id(conn)]
                 try:
-                    status, task, _, value = pickle.loads(conn.recv_bytes())
+                    data = conn.recv_bytes()
                 except (EOFError, OSError):
                     outcomes[rank] = Outcome(rank, "died")
+                    failed_at = failed_at or time.monotonic()
+                    continue
+                try:
+                    status, task, _, value = pickle.loads(data)
+                except Exception as error:  # noqa: BLE001  e.g. a result type the parent cannot import
+                    why = f"its result cannot be unpickled in the parent ({type(error).__name__}: {error}); " \
+                          "return tensors, Pieces and plain Python values"
+                    outcomes[rank] = Outcome(rank, "raised", detail=why, summary=why)
                     failed_at = failed_at or time.monotonic()
                     continue
                 if task != self._task:

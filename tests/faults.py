@@ -44,3 +44,18 @@ def pids(ctx, payload):
 def draw_random(ctx, payload):
     """Values from the rank's global generator: private to the rank, fixed by the task's seed."""
     return torch.rand(3)
+
+
+def _load_only_on_ranks():
+    raise ImportError("No module named 'rank_only_module'")
+
+
+class OnlyOnRanks:
+    """Pickles on a rank; loading it fails, as a type from a module the parent lacks would."""
+
+    def __reduce__(self):
+        return (_load_only_on_ranks, ())
+
+
+def unpicklable_result(ctx, payload):
+    return OnlyOnRanks()

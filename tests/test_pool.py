@@ -59,6 +59,12 @@ def test_rank_that_exits_is_named_with_its_exit_code(small_pool):
     small_pool.run("harness.tasks:noop", None, TP4)
 
 
+def test_result_the_parent_cannot_unpickle_is_named(small_pool):
+    with pytest.raises(CaseFailure, match="its result cannot be unpickled in the parent"):
+        small_pool.run("tests.faults:unpicklable_result", None, (("tp", 2),))
+    small_pool.run("harness.tasks:noop", None, TP4)
+
+
 def test_random_state_is_private_per_rank_and_fixed_by_the_seed(small_pool):
     first = small_pool.run("tests.faults:draw_random", None, TP4, seed=5)
     again = small_pool.run("tests.faults:draw_random", None, TP4, seed=5)
