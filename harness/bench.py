@@ -23,13 +23,11 @@ import statistics
 import tempfile
 import time
 
-from .cell import reference_for, run_cell
-from .compare import compare
+from .cell import assemble_result, parity, run_cell
 from .config import Config
-from .layout import MeshLayout, assemble
+from .layout import MeshLayout
 from .pool import Pool
 from .registry import validate
-from .tolerance import Tolerances
 
 TP_MLP = Config("tp", "ours", {"tp": 4}, "fp32", dict(b=4, s=8, h=16, f=32, v=40), {"op": "mlp"})
 RING_CP4 = Config("ringattn", "ours", {"cp": 4}, "fp32", dict(b=2, s=48, h=16, q=4, d=4),
@@ -77,9 +75,7 @@ def spawn_per_test(cfg: Config) -> None:
             p.join()
             if p.exitcode:
                 raise RuntimeError(f"spawned rank exited with {p.exitcode}")
-    layout = MeshLayout.of(cfg.mesh)
-    got = {n: assemble(n, {r: pieces[r][n] for r in pieces}, layout) for n in pieces[0]}
-    report = compare(got, reference_for(cfg), Tolerances(cfg.dtype, validate(cfg).reduction_size(cfg)))
+    _, report = parity(cfg, validate(cfg), assemble_result(cfg, pieces))
     assert report.ok, report.table()
 
 

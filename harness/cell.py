@@ -12,7 +12,7 @@ from .config import Config
 from .golden import GoldenError, golden_path, metadata, read_golden, write_golden
 from .layout import AssemblyError, MeshLayout, assemble
 from .pool import Pool
-from .registry import validate
+from .registry import Component, validate
 from .tolerance import Tolerances
 
 
@@ -42,10 +42,8 @@ def reference_for(cfg: Config) -> dict[str, torch.Tensor]:
     return _references[cfg.problem_key]
 
 
-def run_parallel(cfg: Config, pool: Pool) -> dict:
-    """Run the implementation on the pool and assemble its pieces into logical tensors."""
-    impl = validate(cfg, pool.size).implementations[cfg.impl]
-    pieces = pool.run(impl.run, cfg, cfg.mesh, seed=cfg.seed, label=cfg.id)
+def assemble_result(cfg: Config, pieces: dict[int, dict]) -> dict:
+    """Every rank's named pieces -> logical tensors (:class:`Assembled`), by name."""
     names = set(pieces[0])
     for rank, got in pieces.items():
         if set(got) != names:
@@ -54,20 +52,26 @@ def run_parallel(cfg: Config, pool: Pool) -> dict:
     return {name: assemble(name, {r: pieces[r][name] for r in pieces}, layout) for name in sorted(names)}
 
 
+def parity(cfg: Config, component: Component, assembled: dict) -> tuple[Tolerances, Report]:
+    """The assembled result against the reference, under the tolerance policy."""
+    tol = Tolerances(cfg.dtype, component.reduction_size(cfg))
+    omits = component.implementations[cfg.impl].omits
+    expected = {name: t for name, t in reference_for(cfg).items() if name not in omits}
+    return tol, compare(assembled, expected, tol)
+
+
 def run_cell(cfg: Config, pool: Pool, *, golden_dir: Path | None = None, update_golden: bool = False,
              nodeid: str = "") -> CellOutcome:
     """Parity with the reference first (the gate), then the golden file (drift over time)."""
     start = time.perf_counter()
     component = validate(cfg, pool.size)
-    tol = Tolerances(cfg.dtype, component.reduction_size(cfg))
-    assembled = run_parallel(cfg, pool)
-    omits = component.implementations[cfg.impl].omits
-    expected = {name: t for name, t in reference_for(cfg).items() if name not in omits}
-    outcome = CellOutcome(cfg, tol, compare(assembled, expected, tol))
+    run = component.implementations[cfg.impl].run
+    assembled = assemble_result(cfg, pool.run(run, cfg, cfg.mesh, seed=cfg.seed, label=cfg.id))
+    outcome = CellOutcome(cfg, *parity(cfg, component, assembled))
     outcome.result = {name: a.tensor for name, a in assembled.items()}
     reproduce = f"reproduce: pytest '{nodeid}'" if nodeid else f"config: {cfg.id}"
     if not outcome.parity.ok:
-        raise Divergence(f"{cfg.id} diverges from the reference ({tol}):\n{outcome.parity.table()}\n{reproduce}")
+        raise Divergence(f"{cfg.id} diverges from the reference ({outcome.tol}):\n{outcome.parity.table()}\n{reproduce}")
     if golden_dir is not None:
         check_golden(outcome, Path(golden_dir), update_golden, pool.backend, nodeid, reproduce)
     outcome.seconds = time.perf_counter() - start

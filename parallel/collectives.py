@@ -17,8 +17,14 @@ import torch.distributed as dist
 from harness.layout import chunk_bounds
 
 
-def _size(group) -> int:
+def group_size(group) -> int:
+    """Ranks in ``group``; a missing mesh dim (None) counts as one."""
     return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    """This rank's index in ``group`` (0 for a missing mesh dim)."""
+    return 0 if group is None else dist.get_rank(group)
 
 
 def _sizes(full: int, n: int) -> list[int]:
@@ -40,13 +46,13 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    n, r = _size(group), dist.get_rank(group)
+    n, r = group_size(group), group_rank(group)
     lo, hi = chunk_bounds(x.shape[dim], n, r)
     return x.narrow(dim, lo, hi - lo).contiguous()
 
 
 def _gather(x: torch.Tensor, dim: int, group, full: int) -> torch.Tensor:
-    n = _size(group)
+    n = group_size(group)
     sizes = _sizes(full, n)
     parts = [torch.empty_like(_pad(x, dim, max(sizes))) for _ in range(n)]
     dist.all_gather(parts, _pad(x, dim, max(sizes)), group=group)
@@ -54,7 +60,7 @@ def _gather(x: torch.Tensor, dim: int, group, full: int) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    n, r = _size(group), dist.get_rank(group)
+    n, r = group_size(group), group_rank(group)
     sizes = _sizes(x.shape[dim], n)
     chunks = [_pad(x.narrow(dim, lo, s), dim, max(sizes)) for lo, s in zip(
         [chunk_bounds(x.shape[dim], n, i)[0] for i in range(n)], sizes)]
@@ -141,32 +147,32 @@ class _ReduceScatterDim(torch.autograd.Function):
 
 
 def copy_to_group(x, group):
-    return x if _size(group) == 1 else _CopyToGroup.apply(x, group)
+    return x if group_size(group) == 1 else _CopyToGroup.apply(x, group)
 
 
 def reduce_from_group(x, group):
-    return x if _size(group) == 1 else _ReduceFromGroup.apply(x, group)
+    return x if group_size(group) == 1 else _ReduceFromGroup.apply(x, group)
 
 
 def split_to_group(x, dim: int, group):
-    return x if _size(group) == 1 else _SplitToGroup.apply(x, dim % x.dim(), group)
+    return x if group_size(group) == 1 else _SplitToGroup.apply(x, dim % x.dim(), group)
 
 
 def gather_from_group(x, dim: int, group, full: int):
-    return x if _size(group) == 1 else _GatherFromGroup.apply(x, dim % x.dim(), group, full)
+    return x if group_size(group) == 1 else _GatherFromGroup.apply(x, dim % x.dim(), group, full)
 
 
 def all_gather_dim(x, dim: int, group, full: int):
-    return x if _size(group) == 1 else _AllGatherDim.apply(x, dim % x.dim(), group, full)
+    return x if group_size(group) == 1 else _AllGatherDim.apply(x, dim % x.dim(), group, full)
 
 
 def reduce_scatter_dim(x, dim: int, group):
-    return x if _size(group) == 1 else _ReduceScatterDim.apply(x, dim % x.dim(), group)
+    return x if group_size(group) == 1 else _ReduceScatterDim.apply(x, dim % x.dim(), group)
 
 
 def all_reduce_(tensors, group) -> None:
     """In place, no autograd: sum tensors over a group (data-parallel gradients)."""
-    if _size(group) == 1:
+    if group_size(group) == 1:
         return
     for t in tensors:
         dist.all_reduce(t, group=group)

@@ -27,7 +27,7 @@ from harness.layout import Piece, Shard, shard_indices, take
 from reference.common import grad_name, param_name, probe_loss
 from reference.ring_attention import PARAMS, kv_heads, make_problem, merge_heads, split_heads
 
-from .collectives import all_reduce_, copy_to_group, reduce_from_group
+from .collectives import copy_to_group, group_rank, group_size, reduce_from_group
 from .step import reduce_and_step
 
 LAYOUTS = ("contig", "zigzag")
@@ -74,7 +74,7 @@ def _visible(pos_q: torch.Tensor, pos_k: torch.Tensor, causal: bool) -> torch.Te
 
 def _shift(t: torch.Tensor, group) -> tuple[torch.Tensor, list]:
     """Start sending ``t`` to the next rank of the ring and receiving the previous rank's."""
-    n, r = dist.get_world_size(group), dist.get_rank(group)
+    n, r = group_size(group), group_rank(group)
     buf = torch.empty_like(t)
     ops = [dist.P2POp(dist.isend, t.contiguous(), dist.get_global_rank(group, (r + 1) % n), group),
            dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, (r - 1) % n), group)]
@@ -114,8 +114,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, pos, causal: bool):
-        n = 1 if group is None else dist.get_world_size(group)
-        me = 0 if group is None else dist.get_rank(group)
+        n, me = group_size(group), group_rank(group)
         qf = q.float()
         out = torch.zeros(qf.shape, dtype=torch.float32)
         lse = torch.full(qf.shape[:-1], float("-inf"))
@@ -198,10 +197,9 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     attn, lse = ring_attention(q, k, v, cp, pos, causal)
     out = reduce_from_group(merge_heads(attn) @ params["wo"].T, tp)
     # each cp rank holds some tokens: its loss is partial, and so are its parameter gradients
-    loss = reduce_from_group(probe_loss(out, local(problem.probe), problem.tokens), cp)
+    loss = probe_loss(out, local(problem.probe), problem.tokens)
     loss.backward()
-    all_reduce_([t.grad for t in params.values()], cp)  # the loss is already summed over cp
-    total = reduce_and_step(list(params.values()), loss, [dp])
+    total = reduce_and_step(list(params.values()), loss, [cp, dp])
 
     b, s = problem.x.shape[:2]
     d = cfg.size("d")

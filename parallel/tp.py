@@ -28,8 +28,8 @@ from harness.layout import Piece, Shard, chunk_bounds, empty_chunk_rule, take
 from reference.common import grad_name, param_name, probe_loss
 from reference.tp import LN_EPS, OPS, make_problem
 
-from .collectives import (all_gather_dim, copy_to_group, gather_from_group, reduce_from_group, reduce_scatter_dim,
-                          split_to_group)
+from .collectives import (all_gather_dim, copy_to_group, gather_from_group, group_rank, group_size,
+                          reduce_from_group, reduce_scatter_dim, split_to_group)
 from .step import reduce_and_step
 
 COL, ROW = Shard(0), Shard(1)  # weight [out, in]: column-parallel splits out, row-parallel splits in
@@ -81,7 +81,7 @@ def row_parallel(x_shard, w, b, tp):
 
 
 def vocab_parallel_embedding(ids, emb, tp, vocab: int):
-    n, c = _degree(tp), _coord(tp)
+    n, c = group_size(tp), group_rank(tp)
     lo, hi = chunk_bounds(vocab, n, c)
     mine = (ids >= lo) & (ids < hi)
     local = F.embedding((ids - lo).clamp(0, hi - lo - 1), emb) * mine.unsqueeze(-1).to(emb.dtype)
@@ -90,7 +90,7 @@ def vocab_parallel_embedding(ids, emb, tp, vocab: int):
 
 def vocab_parallel_cross_entropy(logits, labels, tp, vocab: int):
     """Per-token cross-entropy of logits split on vocab, computed in fp32 without gathering them."""
-    n, c = _degree(tp), _coord(tp)
+    n, c = group_size(tp), group_rank(tp)
     lo, hi = chunk_bounds(vocab, n, c)
     logits = logits.float()
     with torch.no_grad():  # the max only stabilises exp(); it cancels out of the loss and its gradient
@@ -103,14 +103,6 @@ def vocab_parallel_cross_entropy(logits, labels, tp, vocab: int):
     picked = shifted.gather(-1, (labels - lo).clamp(0, hi - lo - 1).unsqueeze(-1)).squeeze(-1)
     target = reduce_from_group(picked * mine, tp)
     return sum_exp.log() - target
-
-
-def _degree(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _coord(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
 
 
 def forward(op: str, p: dict, x, inputs: dict, tp, cfg: Config):
