@@ -29,6 +29,9 @@ class RankContext:
     device_mesh: "torch.distributed.device_mesh.DeviceMesh"
     device: torch.device
     backend: str
+    # A directory every rank of this task sees, empty at the start and removed by the parent after
+    # the task, whether it passed, failed or hung (checkpoints and other files a case writes).
+    scratch: str = ""
 
     def group(self, name: str):
         """Process group of this rank's line along mesh dim ``name``."""

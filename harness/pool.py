@@ -36,6 +36,13 @@ FAILURE_GRACE = 2.0
 PRELOAD = ("harness.context", "harness.layout", "harness.config", "torch.distributed.tensor")
 
 
+def default_preload() -> tuple[str, ...]:
+    """The harness's modules and every registered component's and implementation's module."""
+    from .registry import modules
+
+    return PRELOAD + tuple(modules())
+
+
 class PoolError(RuntimeError):
     """The pool could not start or cannot run a task of this shape."""
 
@@ -106,12 +113,12 @@ class Pool:
     """A warm pool of ``size`` rank processes. Thread-unsafe: one task at a time."""
 
     def __init__(self, size: int = DEFAULT_SIZE, backend: str = "auto", deadline: float = DEFAULT_DEADLINE,
-                 start_timeout: float = 180.0, preload: tuple[str, ...] = PRELOAD):
+                 start_timeout: float = 180.0, preload: tuple[str, ...] | None = None):
         if size < 1:
             raise PoolError(f"pool size {size} must be at least 1")
         self.size, self.deadline, self.start_timeout = size, deadline, start_timeout
         self.backend = resolve_backend(backend)
-        self.preload = preload
+        self.preload = preload  # None: default_preload() at each launch, so late registrations count
         self._proc: subprocess.Popen | None = None
         self._conns: list[Connection] = []
         self._pids: dict[int, int] = {}
@@ -145,7 +152,7 @@ class Pool:
         for fd in child_fds:
             os.set_inheritable(fd, True)
         spec = {"parent": os.getpid(), "fds": child_fds, "backend": self.backend, "tmp": self._tmp,
-                "preload": list(self.preload)}
+                "preload": list(default_preload() if self.preload is None else self.preload)}
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
         with open(os.path.join(self._tmp, "zygote.log"), "wb") as err:
             self._proc = subprocess.Popen(
@@ -240,7 +247,17 @@ class Pool:
         self.start()
         deadline = self.deadline if deadline is None else deadline
         self._task += 1
-        message = pickle.dumps(("run", self._task, fn, payload, tuple(mesh), seed), protocol=pickle.HIGHEST_PROTOCOL)
+        scratch = os.path.join(self._tmp, f"task{self._task}")
+        os.mkdir(scratch)
+        try:
+            return self._run(fn, payload, tuple(mesh), seed, scratch, world, deadline, label)
+        finally:
+            if self._tmp:  # a failed task may have killed the pool, and its temp dir with it
+                shutil.rmtree(scratch, ignore_errors=True)
+
+    def _run(self, fn: str, payload: Any, mesh: tuple, seed: int, scratch: str, world: int, deadline: float,
+             label: str) -> dict[int, Any]:
+        message = pickle.dumps(("run", self._task, fn, payload, mesh, seed, scratch), protocol=pickle.HIGHEST_PROTOCOL)
         outcomes: dict[int, Outcome] = {}
         for rank, conn in enumerate(self._conns):
             try:

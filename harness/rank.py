@@ -53,8 +53,13 @@ def zygote_main() -> None:
     import torch.distributed  # noqa: F401
     from torch.distributed.device_mesh import DeviceMesh  # noqa: F401  preloaded for every rank
 
+    torch.set_num_threads(1)  # before any op: no intra-op thread pool exists to be forked
     for module in spec["preload"]:
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001  a rank that needs it reports the error with the case
+            pass
+    warm_up()
     me = os.getpid()
     pids: dict[int, int] = {}
     for rank, fd in enumerate(spec["fds"]):
@@ -83,6 +88,21 @@ def zygote_main() -> None:
         if rank is not None:
             status.write(json.dumps({"exit": rank, "code": os.waitstatus_to_exitcode(raw)}) + "\n")
             status.flush()
+
+
+def warm_up() -> None:
+    """Pay, once and before the fork, the lazy imports a rank's first case would otherwise pay.
+
+    The first optimizer step imports ``torch._dynamo`` (about 1 s of CPU per rank here, 8 ranks
+    on 2 cores): paid after the fork, it lands inside the first case's deadline on every rank.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    w = torch.ones(2, 2, dtype=torch.float64, requires_grad=True)
+    F.gelu(F.linear(w, w)).sum().backward()
+    for optimizer in (torch.optim.SGD([w], lr=0.1, momentum=0.9), torch.optim.AdamW([w], foreach=False)):
+        optimizer.step()
 
 
 def _send(conn: Connection, message) -> None:
@@ -142,7 +162,7 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
             break
         if message[0] == "stop":
             break
-        _, task, path, payload, mesh, seed = message
+        _, task, path, payload, mesh, seed, scratch = message
         try:
             layout = MeshLayout.of(mesh)
             if mesh not in meshes:  # every pool rank takes part in creating the groups
@@ -154,7 +174,7 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
             if path not in functions:
                 functions[path] = resolve(path)
             seed_rank(seed, rank)
-            ctx = RankContext(rank, layout, meshes[mesh], device, backend)
+            ctx = RankContext(rank, layout, meshes[mesh], device, backend, scratch)
             result = functions[path](ctx, payload)
             _send(conn, ("ok", task, rank, result))
         except BaseException:  # noqa: BLE001  every failure goes back to the parent, with its traceback

@@ -84,6 +84,18 @@ def get(name: str) -> Component:
         raise ConfigError(f"unknown component {name!r}; registered: {', '.join(sorted(COMPONENTS))}") from None
 
 
+def modules() -> list[str]:
+    """Every module a registered component or implementation names, for the pool to preload."""
+    from . import components  # noqa: F401  registers the built-in components
+
+    paths = []
+    for component in COMPONENTS.values():
+        paths += [component.reference, component.validate, component.reduction]
+        for impl in component.implementations.values():
+            paths += [impl.run] + ([impl.skip] if impl.skip else [])
+    return sorted({path.partition(":")[0] for path in paths})
+
+
 def validate(cfg: Config, pool_size: int | None = None) -> Component:
     """Every rule for ``cfg``, checked before any rank runs. Returns its component."""
     component = get(cfg.component)

@@ -9,6 +9,10 @@ import torch
 
 # One SGD step with momentum. lr is large enough that the update shows in bf16 parameters.
 SGD = dict(lr=0.5, momentum=0.9, weight_decay=0.01)
+# AdamW, for components whose optimizer state is part of what is checked. eps is large on purpose:
+# with eps=1e-8 the first step is lr*sign(g), so rounding noise in a near-zero gradient would move a
+# parameter by a full lr; with eps=1e-3 the step is a smooth function of the gradient.
+ADAMW = dict(lr=0.05, betas=(0.9, 0.95), eps=1e-3, weight_decay=0.01)
 
 
 def sgd_step(params: list[torch.Tensor]) -> None:
@@ -22,6 +26,21 @@ def probe_loss(out: torch.Tensor, probe: torch.Tensor, tokens: int) -> torch.Ten
     return (out.to(dtype) * probe.to(dtype)).sum() / tokens
 
 
+def adamw(params: list[torch.Tensor]) -> torch.optim.AdamW:
+    """The AdamW optimizer both sides use (single-tensor path: the same arithmetic on any shard)."""
+    return torch.optim.AdamW(params, **ADAMW, foreach=False)
+
+
+def record_adamw_state(optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor],
+                       result: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Add each parameter's AdamW moments (``opt/exp_avg/<name>``, ``opt/exp_avg_sq/<name>``)."""
+    for name, p in params.items():
+        state = optimizer.state[p]
+        for key in ("exp_avg", "exp_avg_sq"):
+            result[state_name(key, name)] = state[key].detach().clone()
+    return result
+
+
 def record_step(params: dict[str, torch.Tensor], result: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """After backward: add every parameter's gradient, take the SGD step, add the parameters after it."""
     result.update({grad_name(k): t.grad.clone() for k, t in params.items()})
@@ -33,6 +52,11 @@ def record_step(params: dict[str, torch.Tensor], result: dict[str, torch.Tensor]
 
 def grad_name(name: str) -> str:
     return f"grad/{name}"
+
+
+def state_name(key: str, name: str) -> str:
+    """Name of a parameter's optimizer state ``key`` (``exp_avg``, ``exp_avg_sq``)."""
+    return f"opt/{key}/{name}"
 
 
 def param_name(name: str) -> str:
