@@ -66,7 +66,8 @@ def run_cell(cfg: Config, pool: Pool, *, golden_dir: Path | None = None, update_
     start = time.perf_counter()
     component = validate(cfg, pool.size)
     run = component.implementations[cfg.impl].run
-    assembled = assemble_result(cfg, pool.run(run, cfg, cfg.mesh, seed=cfg.seed, label=cfg.id))
+    pieces = pool.run(run, cfg, cfg.mesh, seed=cfg.seed, label=cfg.id, extra_meshes=component.extra_meshes(cfg))
+    assembled = assemble_result(cfg, pieces)
     outcome = CellOutcome(cfg, *parity(cfg, component, assembled))
     outcome.result = {name: a.tensor for name, a in assembled.items()}
     reproduce = f"reproduce: pytest '{nodeid}'" if nodeid else f"config: {cfg.id}"

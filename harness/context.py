@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,14 @@ def generator(*parts) -> torch.Generator:
     return torch.Generator().manual_seed(derive_seed(*parts))
 
 
+def _dims(dims) -> tuple[tuple[str, int], ...]:
+    if isinstance(dims, str):
+        from .matrix import mesh
+
+        return mesh(dims)
+    return tuple((str(n), int(d)) for n, d in dims)
+
+
 @dataclass
 class RankContext:
     """Handed to an implementation's ``run(ctx, cfg)`` on every rank of the case's mesh."""
@@ -32,6 +40,21 @@ class RankContext:
     # A directory every rank of this task sees, empty at the start and removed by the parent after
     # the task, whether it passed, failed or hung (checkpoints and other files a case writes).
     scratch: str = ""
+    # Further meshes over the first ranks of the same world, declared by the component for this
+    # config (``Component.meshes``), e.g. a sparse expert mesh beside the dense one, or the layout a
+    # checkpoint is loaded under. Keyed by their dims, as ``(("dp", 2), ("ep", 2))``.
+    extra_meshes: dict = field(default_factory=dict)
+
+    def mesh(self, dims) -> "torch.distributed.device_mesh.DeviceMesh":
+        """The cell's mesh, or a declared extra mesh by its dims (tuple of pairs or ``"dp=2,ep=2"``)."""
+        key = _dims(dims)
+        if key == MeshLayout(self.layout.names, self.layout.shape).dims:
+            return self.device_mesh
+        try:
+            return self.extra_meshes[key]
+        except KeyError:
+            raise KeyError(f"mesh {key} was not declared for this config; declared: {sorted(self.extra_meshes)}; "
+                           "return it from the component's meshes(cfg)") from None
 
     def group(self, name: str):
         """Process group of this rank's line along mesh dim ``name``."""

@@ -35,6 +35,11 @@ class MeshLayout:
     def world(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def dims(self) -> tuple[tuple[str, int], ...]:
+        """The mesh as ``(("dp", 2), ("tp", 4))``, the form configs use."""
+        return tuple(zip(self.names, self.shape))
+
     def coords(self, rank: int) -> tuple[int, ...]:
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} is outside a mesh of {self.world} ranks")

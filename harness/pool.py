@@ -234,30 +234,38 @@ class Pool:
 
     # ---- running a task ----------------------------------------------------------------
     def run(self, fn: str, payload: Any, mesh: tuple[tuple[str, int], ...], *, seed: int = 0,
-            deadline: float | None = None, label: str = "") -> dict[int, Any]:
+            deadline: float | None = None, label: str = "", extra_meshes=()) -> dict[int, Any]:
         """Run ``fn(ctx, payload)`` (an import path, ``"module:function"``) on every rank of ``mesh``.
+
+        ``extra_meshes``: further meshes (over the first ranks of the pool) the task may use through
+        ``ctx.mesh(dims)``; every pool rank takes part in creating their groups, so they must be
+        declared here rather than built inside the task.
 
         Returns each mesh rank's return value. Raises :class:`CaseFailure` when any rank raises,
         dies or is still running at the deadline, with every rank's outcome.
         """
         world = math.prod(d for _, d in mesh)
-        if world > self.size:
-            raise PoolError(f"mesh {mesh} needs {world} ranks but the pool has {self.size}: "
-                            f"run with --pool-size {world} or choose a smaller mesh")
+        extra = tuple(tuple((str(n), int(d)) for n, d in dims) for dims in extra_meshes)
+        for dims in (mesh, *extra):
+            need = math.prod(d for _, d in dims)
+            if need > self.size:
+                raise PoolError(f"mesh {dims} needs {need} ranks but the pool has {self.size}: "
+                                f"run with --pool-size {need} or choose a smaller mesh")
         self.start()
         deadline = self.deadline if deadline is None else deadline
         self._task += 1
         scratch = os.path.join(self._tmp, f"task{self._task}")
         os.mkdir(scratch)
         try:
-            return self._run(fn, payload, tuple(mesh), seed, scratch, world, deadline, label)
+            return self._run(fn, payload, tuple(mesh), extra, seed, scratch, world, deadline, label)
         finally:
             if self._tmp:  # a failed task may have killed the pool, and its temp dir with it
                 shutil.rmtree(scratch, ignore_errors=True)
 
-    def _run(self, fn: str, payload: Any, mesh: tuple, seed: int, scratch: str, world: int, deadline: float,
-             label: str) -> dict[int, Any]:
-        message = pickle.dumps(("run", self._task, fn, payload, mesh, seed, scratch), protocol=pickle.HIGHEST_PROTOCOL)
+    def _run(self, fn: str, payload: Any, mesh: tuple, extra: tuple, seed: int, scratch: str, world: int,
+             deadline: float, label: str) -> dict[int, Any]:
+        message = pickle.dumps(("run", self._task, fn, payload, mesh, extra, seed, scratch),
+                               protocol=pickle.HIGHEST_PROTOCOL)
         outcomes: dict[int, Outcome] = {}
         for rank, conn in enumerate(self._conns):
             try:

@@ -162,19 +162,22 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
             break
         if message[0] == "stop":
             break
-        _, task, path, payload, mesh, seed, scratch = message
+        _, task, path, payload, mesh, extra, seed, scratch = message
         try:
             layout = MeshLayout.of(mesh)
-            if mesh not in meshes:  # every pool rank takes part in creating the groups
-                ranks = torch.arange(layout.world).view(layout.shape)
-                meshes[mesh] = DeviceMesh(device_type(backend), ranks, mesh_dim_names=layout.names)
+            for dims in (mesh, *extra):
+                if dims not in meshes:  # every pool rank takes part in creating the groups
+                    shape = MeshLayout.of(dims)
+                    ranks = torch.arange(shape.world).view(shape.shape)
+                    meshes[dims] = DeviceMesh(device_type(backend), ranks, mesh_dim_names=shape.names)
             if rank >= layout.world:
                 _send(conn, ("idle", task, rank, None))
                 continue
             if path not in functions:
                 functions[path] = resolve(path)
             seed_rank(seed, rank)
-            ctx = RankContext(rank, layout, meshes[mesh], device, backend, scratch)
+            ctx = RankContext(rank, layout, meshes[mesh], device, backend, scratch,
+                              {dims: meshes[dims] for dims in extra})
             result = functions[path](ctx, payload)
             _send(conn, ("ok", task, rank, result))
         except BaseException:  # noqa: BLE001  every failure goes back to the parent, with its traceback

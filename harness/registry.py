@@ -13,6 +13,7 @@ and its cells are then ``Config("tp", "mine", ...)``, run by the same cases.
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 
 from .config import Config, ConfigError
@@ -45,6 +46,9 @@ class Component:
     # result, or {tensor name: n} with "*" for the rest
     reduction: str
     implementations: dict[str, Implementation] = field(default_factory=dict)
+    # "module:function", cfg -> further meshes (tuples of (name, degree)) the cell uses besides
+    # cfg.mesh, e.g. the sparse expert mesh or the layout a checkpoint is loaded under
+    meshes: str | None = None
 
     def check(self, cfg: Config) -> None:
         if cfg.impl not in self.implementations:
@@ -59,6 +63,9 @@ class Component:
 
     def reduction_size(self, cfg: Config) -> int | dict[str, int]:
         return _load(self.reduction)(cfg)
+
+    def extra_meshes(self, cfg: Config) -> tuple:
+        return tuple(_load(self.meshes)(cfg)) if self.meshes else ()
 
 
 COMPONENTS: dict[str, Component] = {}
@@ -91,6 +98,7 @@ def modules() -> list[str]:
     paths = []
     for component in COMPONENTS.values():
         paths += [component.reference, component.validate, component.reduction]
+        paths += [component.meshes] if component.meshes else []
         for impl in component.implementations.values():
             paths += [impl.run] + ([impl.skip] if impl.skip else [])
     return sorted({path.partition(":")[0] for path in paths})
@@ -100,7 +108,8 @@ def validate(cfg: Config, pool_size: int | None = None) -> Component:
     """Every rule for ``cfg``, checked before any rank runs. Returns its component."""
     component = get(cfg.component)
     component.check(cfg)
-    if pool_size is not None and cfg.world > pool_size:
-        raise ConfigError(f"{cfg.id}: mesh needs {cfg.world} ranks but the pool has {pool_size}; "
-                          f"pass --pool-size {cfg.world}")
+    if pool_size is not None:
+        need = max([cfg.world] + [math.prod(d for _, d in dims) for dims in component.extra_meshes(cfg)])
+        if need > pool_size:
+            raise ConfigError(f"{cfg.id}: needs {need} ranks but the pool has {pool_size}; pass --pool-size {need}")
     return component

@@ -12,9 +12,14 @@ def noop(ctx: RankContext, payload):
 
 
 def describe_mesh(ctx: RankContext, payload):
-    """This rank's coordinates and, per dim, the ranks of its group, as torch sees them."""
-    mesh = ctx.device_mesh
-    groups = {name: dist.get_process_group_ranks(mesh.get_group(name)) for name in ctx.layout.names}
+    """This rank's coordinates and, per dim, the ranks of its group, as torch sees them.
+
+    ``payload``: the dims of a declared extra mesh to describe instead of the cell's (None: the cell's).
+    """
+    mesh = ctx.device_mesh if payload is None else ctx.mesh(payload)
+    if mesh.get_coordinate() is None:  # this rank lies outside the (smaller) extra mesh
+        return None
+    groups = {name: dist.get_process_group_ranks(mesh.get_group(name)) for name in mesh.mesh_dim_names}
     return {"coords": tuple(mesh.get_coordinate()), "groups": groups}
 
 
