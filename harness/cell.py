@@ -9,7 +9,7 @@ import torch
 
 from .compare import Report, compare
 from .config import Config
-from .golden import GoldenError, golden_path, metadata, read_golden, write_golden
+from .golden import GoldenError, MissingGolden, golden_path, metadata, read_golden, update_command, write_golden
 from .layout import AssemblyError, MeshLayout, assemble
 from .pool import Pool
 from .registry import Component, validate
@@ -18,6 +18,16 @@ from .tolerance import Tolerances
 
 class Divergence(AssertionError):
     """A cell whose numbers differ from the reference or from its golden file."""
+
+    def __init__(self, message: str, report: Report | None = None):
+        super().__init__(message)
+        self.report = report
+
+    @property
+    def kind(self) -> str:
+        """``nan`` when a tensor holds NaN/Inf where the expectation is finite, else ``mismatch``."""
+        rows = self.report.failing() if self.report else []
+        return "nan" if any(r.problem == "nan/inf" for r in rows) else "mismatch"
 
 
 @dataclass
@@ -61,8 +71,13 @@ def parity(cfg: Config, component: Component, assembled: dict) -> tuple[Toleranc
 
 
 def run_cell(cfg: Config, pool: Pool, *, golden_dir: Path | None = None, update_golden: bool = False,
-             nodeid: str = "") -> CellOutcome:
-    """Parity with the reference first (the gate), then the golden file (drift over time)."""
+             missing_golden: str = "write", rerun: str = "") -> CellOutcome:
+    """Parity with the reference first (the gate), then the golden file (drift over time).
+
+    ``missing_golden``: ``"write"`` records a missing golden from a run that matches the reference
+    (the cell passes, ``golden_status`` says ``written``); ``"fail"`` fails the cell (CI).
+    ``rerun``: the command that reruns this cell, quoted in failure messages.
+    """
     start = time.perf_counter()
     component = validate(cfg, pool.size)
     run = component.implementations[cfg.impl].run
@@ -70,20 +85,28 @@ def run_cell(cfg: Config, pool: Pool, *, golden_dir: Path | None = None, update_
     assembled = assemble_result(cfg, pieces)
     outcome = CellOutcome(cfg, *parity(cfg, component, assembled))
     outcome.result = {name: a.tensor for name, a in assembled.items()}
-    reproduce = f"reproduce: pytest '{nodeid}'" if nodeid else f"config: {cfg.id}"
+    reproduce = f"reproduce: {rerun}" if rerun else f"config: {cfg.id}"
     if not outcome.parity.ok:
-        raise Divergence(f"{cfg.id} diverges from the reference ({outcome.tol}):\n{outcome.parity.table()}\n{reproduce}")
+        raise Divergence(f"{cfg.id} diverges from the reference ({outcome.tol}):\n{outcome.parity.table()}\n{reproduce}",
+                         outcome.parity)
     if golden_dir is not None:
-        check_golden(outcome, Path(golden_dir), update_golden, pool.backend, nodeid, reproduce)
+        check_golden(outcome, Path(golden_dir), update=update_golden, missing=missing_golden,
+                     backend=pool.backend, rerun=rerun)
     outcome.seconds = time.perf_counter() - start
     return outcome
 
 
-def check_golden(outcome: CellOutcome, root: Path, update: bool, backend: str, nodeid: str, reproduce: str) -> None:
+def check_golden(outcome: CellOutcome, root: Path, *, update: bool = False, missing: str = "write",
+                 backend: str = "", rerun: str = "") -> None:
+    """Hold ``outcome`` against its golden file; write the file when asked (or missing, if allowed)."""
     cfg, tol = outcome.cfg, outcome.tol
     path = golden_path(root, cfg)
     try:
-        stored, _ = read_golden(path, cfg, nodeid)
+        stored, _ = read_golden(path, cfg, rerun)
+    except MissingGolden:
+        if not update and missing != "write":
+            raise
+        stored = None
     except GoldenError:
         if not update:
             raise
@@ -96,8 +119,9 @@ def check_golden(outcome: CellOutcome, root: Path, update: bool, backend: str, n
             return
         if not update:
             raise Divergence(f"{cfg.id} has drifted from its golden file {path} ({tol}):\n"
-                             f"{outcome.golden.table()}\n{reproduce}\n"
-                             f"if the change is intended: pytest '{nodeid}' --update-golden")
+                             f"{outcome.golden.table()}\n"
+                             f"{'reproduce: ' + rerun if rerun else 'config: ' + cfg.id}\n"
+                             f"if the change is intended: {update_command(rerun)}", outcome.golden)
         outcome.moved = outcome.golden.table(only_failing=False)
     write_golden(path, outcome.result, metadata(cfg, str(tol), backend))
     outcome.golden_status = "updated" if stored is not None else "written"

@@ -27,8 +27,9 @@ def golden_path(root: Path, cfg: Config) -> Path:
     return Path(root) / cfg.component / f"{cfg.id}.safetensors"
 
 
-def update_command(nodeid: str) -> str:
-    return f"pytest '{nodeid}' --update-golden" if nodeid else "pytest <the cell> --update-golden"
+def update_command(rerun: str) -> str:
+    """The command that rewrites a cell's golden file, from the command that reruns the cell."""
+    return f"{rerun or 'python -m pytest <the cell>'} --update-golden"
 
 
 def metadata(cfg: Config, tolerance: str, backend: str) -> dict[str, str]:
@@ -57,13 +58,20 @@ def write_golden(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, s
         raise
 
 
-def read_golden(path: Path, cfg: Config, nodeid: str = "") -> tuple[dict[str, torch.Tensor], dict]:
-    """Tensors and metadata of ``cfg``'s golden file, or a :class:`GoldenError` that says what to do."""
+class MissingGolden(GoldenError):
+    """A cell that has no golden file yet."""
+
+
+def read_golden(path: Path, cfg: Config, rerun: str = "") -> tuple[dict[str, torch.Tensor], dict]:
+    """Tensors and metadata of ``cfg``'s golden file, or a :class:`GoldenError` that says what to do.
+
+    ``rerun``: the command that reruns the cell, quoted in the fix.
+    """
     from safetensors import safe_open
 
-    fix = update_command(nodeid)
+    fix = update_command(rerun)
     if not path.exists():
-        raise GoldenError(f"golden file {path} is missing: create it with\n  {fix}")
+        raise MissingGolden(f"golden file {path} is missing: create it with\n  {fix}")
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {})[META_KEY])

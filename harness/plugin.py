@@ -1,17 +1,21 @@
-"""The pytest plugin: options, the ``parity`` fixture that runs a cell, and a summary per component."""
+"""The pytest plugin: options, the ``parity`` fixture that runs a cell, and a summary per component.
+
+Installed with the package (a ``pytest11`` entry point), so a project that installs paritytest gets
+the options and the fixture without naming the plugin. It is inert until a test uses ``parity`` or
+``rank_pool``: no pool is started otherwise.
+"""
 from __future__ import annotations
 
-from collections import defaultdict
+import os
+import shlex
+import sys
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
 
-from .cell import Divergence, run_cell
 from .config import Config, ConfigError
-from .golden import GoldenError
-from .layout import AssemblyError
 from .pool import DEFAULT_DEADLINE, DEFAULT_SIZE, CaseFailure, PoolError, shared_pool
-from .registry import validate
 
 PROPERTY = "parity"
 
@@ -20,24 +24,93 @@ def pytest_addoption(parser):
     group = parser.getgroup("parity", "parallel-training correctness harness")
     group.addoption("--update-golden", action="store_true",
                     help="write golden files that are missing or whose values changed, and print what moved")
+    group.addoption("--strict-golden", action="store_true",
+                    help="fail a cell whose golden file is missing instead of writing it (for CI)")
     group.addoption("--pool-size", type=int, default=DEFAULT_SIZE,
-                    help=f"rank processes in the warm pool of each pytest process (default {DEFAULT_SIZE})")
-    group.addoption("--backend", default="auto", choices=("auto", "gloo", "nccl"),
-                    help="process-group backend: auto picks nccl where CUDA is present, else gloo")
+                    help=f"most rank processes in the warm pool of each pytest process (default {DEFAULT_SIZE}); "
+                         "the pool starts only as large as the selected cells need")
+    group.addoption("--backend", default="auto",
+                    help="process-group backend: auto (nccl where CUDA is present, else gloo), gloo or nccl")
     group.addoption("--case-deadline", type=float, default=DEFAULT_DEADLINE,
                     help=f"seconds a cell may run before its ranks' stacks are taken and it fails (default {DEFAULT_DEADLINE:g})")
     group.addoption("--golden-dir", default=None, help="where golden files live (default: <rootdir>/golden)")
 
 
-def _pool(config):
+def _usage(option: str, value, why: str) -> pytest.UsageError:
+    return pytest.UsageError(f"{option} {value}: {why}")
+
+
+def pytest_configure(config):
+    """Reject bad option values and unresolvable implementations before anything runs: one line each."""
     opt = config.getoption
-    return shared_pool(size=opt("--pool-size"), backend=opt("--backend"), deadline=opt("--case-deadline"))
+    if opt("--pool-size") < 1:
+        raise _usage("--pool-size", opt("--pool-size"), "must be at least 1 (ranks kept warm), e.g. --pool-size 8")
+    deadline = opt("--case-deadline")
+    if not deadline > 0:
+        raise _usage("--case-deadline", deadline, "must be a positive number of seconds, e.g. --case-deadline 30")
+    from .backend import resolve
+
+    try:
+        resolve(opt("--backend"))
+    except ValueError as error:
+        raise _usage("--backend", opt("--backend"), str(error)) from None
+    _check_implementations()
+
+
+def _check_implementations() -> None:
+    """Every implementation a user registered must import; said once, naming the path."""
+    from .registry import unresolved
+
+    problems = unresolved()
+    if problems:
+        raise pytest.UsageError("; ".join(problems))
+
+
+def _cell_config(item) -> Config | None:
+    callspec = getattr(item, "callspec", None)
+    cfg = callspec.params.get("cfg") if callspec else None
+    return cfg if isinstance(cfg, Config) else None
+
+
+def _needed_ranks(items, most: int) -> int:
+    """The largest world any selected cell needs (the whole --pool-size for other pool users)."""
+    from .registry import get
+
+    need = 1
+    for item in items:
+        cfg = _cell_config(item)
+        if cfg is None:
+            need = most
+            break
+        try:
+            extra = get(cfg.component).extra_meshes(cfg)
+        except ConfigError:  # reported by the cell itself
+            extra = ()
+        need = max([need, cfg.world] + [Config("x", "x", dims, "fp32").world for dims in extra])
+    return min(need, most)
+
+
+def _pool(config, size: int | None = None, preload: tuple[str, ...] | None = None):
+    opt = config.getoption
+    return shared_pool(size=size or opt("--pool-size"), backend=opt("--backend"), deadline=opt("--case-deadline"),
+                       preload=preload)
 
 
 def pytest_collection_finish(session):
-    """Launch the pool as soon as we know a selected test needs it: ranks import torch meanwhile."""
-    if any("rank_pool" in getattr(item, "fixturenames", ()) for item in session.items):
-        _pool(session.config).launch()
+    """Start the pool as soon as the selection is known, sized to it: its ranks import torch while
+    this process pays its own lazy imports."""
+    _check_implementations()  # registrations made by conftests collected late
+    users = [item for item in session.items if "rank_pool" in getattr(item, "fixturenames", ())]
+    if users:
+        from .pool import default_preload
+
+        cfgs = [_cell_config(item) for item in users]
+        # the ranks import what the selected cells run, no more: one cell by id starts fast
+        preload = default_preload(cfgs) if all(cfgs) else None
+        _pool(session.config, _needed_ranks(users, session.config.getoption("--pool-size")), preload).launch()
+        from .rank import warm_up
+
+        warm_up()
 
 
 @pytest.fixture(scope="session")
@@ -48,19 +121,40 @@ def rank_pool(pytestconfig):
     pool.close()
 
 
+def rerun_command(config, nodeid: str) -> str:
+    """The command that reruns one test exactly: this interpreter, from the rootdir, by node id."""
+    python = sys.executable
+    here = Path.cwd()
+    try:
+        python = os.path.relpath(python, here) if Path(python).is_relative_to(here) else python
+    except ValueError:
+        pass
+    command = f"{shlex.quote(python)} -m pytest {shlex.quote(nodeid)}"
+    root = Path(config.rootpath)
+    if root.resolve() != here.resolve():
+        command = f"cd {shlex.quote(str(root))} && {command}"
+    return command
+
+
 @pytest.fixture
 def parity(request, rank_pool, pytestconfig):
     """``parity(cfg)``: run the cell in the pool, compare with the reference and its golden file."""
+    from .cell import Divergence, run_cell
+    from .golden import GoldenError
+    from .layout import AssemblyError
+    from .registry import validate
+
     opt = pytestconfig.getoption
     golden_dir = Path(opt("--golden-dir") or pytestconfig.rootpath / "golden")
 
     def check(cfg: Config):
-        record = {"component": cfg.component, "status": "failed", "ratio": 0.0, "golden": "", "moved": ""}
+        record = {"component": cfg.component, "status": "failed", "ratio": 0.0, "kind": "", "golden": "",
+                  "moved": ""}
         request.node.user_properties.append((PROPERTY, record))
         try:
             component = validate(cfg, rank_pool.size)
         except ConfigError as error:
-            failure = f"invalid config: {error}"
+            failure, record["kind"] = f"invalid config: {error}", "invalid"
         else:
             reason = component.implementations[cfg.impl].skip_reason(cfg)
             if reason:
@@ -68,10 +162,16 @@ def parity(request, rank_pool, pytestconfig):
                 pytest.skip(reason)
             try:
                 outcome = run_cell(cfg, rank_pool, golden_dir=golden_dir, update_golden=opt("--update-golden"),
-                                   nodeid=request.node.nodeid)
+                                   missing_golden="fail" if opt("--strict-golden") else "write",
+                                   rerun=rerun_command(pytestconfig, request.node.nodeid))
                 failure = None
-            except (Divergence, CaseFailure, AssemblyError, GoldenError, PoolError) as error:
-                failure = str(error)
+            except Divergence as error:
+                failure, record["kind"] = str(error), error.kind
+                record["ratio"] = error.report.worst_ratio if error.report else 0.0
+            except CaseFailure as error:
+                failure, record["kind"] = str(error), error.kind
+            except (AssemblyError, GoldenError, PoolError) as error:
+                failure, record["kind"] = str(error), type(error).__name__
         if failure is not None:  # outside the except block: the report shows our message, no chain
             pytest.fail(failure, pytrace=False)
         record.update(status="passed", ratio=outcome.parity.worst_ratio, golden=outcome.golden_status,
@@ -82,23 +182,46 @@ def parity(request, rank_pool, pytestconfig):
 
 
 class _Summary:
+    """Per component: outcomes, worst err/tol (failed cells included), goldens, time, skip reasons."""
+
     def __init__(self):
         self.rows = defaultdict(lambda: {"passed": 0, "failed": 0, "skipped": 0, "worst err/tol": 0.0,
-                                         "golden identical": 0, "golden written": 0})
+                                         "failed as": Counter(), "golden identical": 0, "golden written": 0,
+                                         "seconds": 0.0})
+        self.skips: dict[str, Counter] = defaultdict(Counter)
         self.moved: list[tuple[str, str]] = []
+        self.written: list[str] = []
 
     def add(self, report):
         record = dict(report.user_properties).get(PROPERTY)
         if record is None or report.when != "call":
             return
         row = self.rows[record["component"]]
-        status = "failed" if report.failed else record["status"]
+        status = "failed" if report.failed else "skipped" if report.skipped else record["status"]
         row[status] += 1
+        row["seconds"] += report.duration
+        if status == "skipped":
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            self.skips[record["component"]][reason.removeprefix("Skipped: ")] += 1
+            return
+        if status == "failed":
+            row["failed as"][record["kind"] or "error"] += 1
         row["worst err/tol"] = max(row["worst err/tol"], record["ratio"])
         row["golden identical"] += record["golden"] == "identical"
         row["golden written"] += record["golden"] in ("written", "updated")
+        if record["golden"] == "written":
+            self.written.append(report.nodeid)
         if record["moved"]:
             self.moved.append((report.nodeid, record["moved"]))
+
+    def table(self) -> str:
+        import pandas as pd
+
+        rows = {name: dict(row, **{"failed as": ", ".join(f"{k} {n}" for k, n in row["failed as"].most_common())})
+                for name, row in sorted(self.rows.items())}
+        frame = pd.DataFrame.from_dict(rows, orient="index")
+        frame.index.name = "component"
+        return frame.to_string(float_format=lambda v: f"{v:.3g}")
 
 
 _summary = _Summary()
@@ -111,12 +234,17 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter):
     if not _summary.rows:
         return
-    import pandas as pd
-
     tr = terminalreporter
     tr.section("parity summary")
-    frame = pd.DataFrame.from_dict(_summary.rows, orient="index")
-    frame.index.name = "component"
-    tr.write_line(frame.to_string(float_format=lambda v: f"{v:.3g}"))
+    tr.write_line(_summary.table())
+    tr.write_line("(worst err/tol counts failed cells too; seconds: time spent in the component's cells)")
+    for component, reasons in sorted(_summary.skips.items()):
+        for reason, count in reasons.most_common(3):
+            tr.write_line(f"skipped {component} x{count}: {reason}")
+        if len(reasons) > 3:
+            tr.write_line(f"skipped {component}: {len(reasons) - 3} other reasons")
+    if _summary.written:
+        tr.write_line(f"golden files written for {len(_summary.written)} cells that had none: "
+                      "review and commit them (golden/)")
     for nodeid, table in _summary.moved:
         tr.write_line(f"golden updated, what moved: {nodeid}\n{table}")

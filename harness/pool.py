@@ -33,14 +33,15 @@ DEFAULT_SIZE = 8
 DEFAULT_DEADLINE = 30.0
 # How long the other ranks get to finish once one rank has raised or died: past it they are stuck.
 FAILURE_GRACE = 2.0
-PRELOAD = ("harness.context", "harness.layout", "harness.config", "torch.distributed.tensor")
+PRELOAD = ("harness.context", "harness.layout", "harness.config", "harness.tasks")
 
 
-def default_preload() -> tuple[str, ...]:
-    """The harness's modules and every registered component's and implementation's module."""
+def default_preload(cfgs=None) -> tuple[str, ...]:
+    """The harness's modules and the modules of the components and implementations ``cfgs`` use
+    (every registered one when None)."""
     from .registry import modules
 
-    return PRELOAD + tuple(modules())
+    return PRELOAD + tuple(modules(cfgs))
 
 
 class PoolError(RuntimeError):
@@ -66,6 +67,8 @@ class CaseFailure(AssertionError):
 
     def __init__(self, reason: str, outcomes: dict[int, Outcome], world: int):
         self.reason, self.outcomes, self.world = reason, outcomes, world
+        statuses = {o.status for o in outcomes.values()}
+        self.kind = "crash" if statuses & {"raised", "died"} else "hang"
         lines = [reason, "every rank of the case:"]
         lines += ["  " + outcomes[r].line() for r in sorted(outcomes) if r < world]
         for r in sorted(outcomes):
@@ -128,6 +131,7 @@ class Pool:
         self._ready = False
         self._tmp: str | None = None
         self._task = 0
+        self._built: set[tuple] = set()
         self.starts = 0  # how many times a pool was started (tests check restarts)
         atexit.register(self.close)
 
@@ -166,6 +170,7 @@ class Pool:
             child.close()
         self._conns = [Connection(parent.detach()) for parent, _ in pairs]
         self._pids, self._exits, self._status_buf, self._port = {}, {}, b"", None
+        self._built: set[tuple] = set()  # (mesh, extra meshes) whose groups every rank has built
 
     def start(self) -> None:
         """Launch if needed and wait until every rank has joined the process group."""
@@ -219,17 +224,8 @@ class Pool:
             self._tmp = None
 
     def close(self) -> None:
-        """Stop the ranks politely, then make sure nothing is left."""
-        if self.alive:
-            for conn in self._conns:
-                try:
-                    conn.send_bytes(pickle.dumps(("stop",)))
-                except OSError:
-                    pass
-            try:
-                self._proc.wait(timeout=0.5)
-            except subprocess.TimeoutExpired:
-                pass
+        """Stop the pool. Ranks hold nothing worth flushing, so they are killed outright: a polite
+        stop only made every pytest process wait for the zygote's interpreter to shut down."""
         self.kill()
 
     # ---- running a task ----------------------------------------------------------------
@@ -252,12 +248,23 @@ class Pool:
                 raise PoolError(f"mesh {dims} needs {need} ranks but the pool has {self.size}: "
                                 f"run with --pool-size {need} or choose a smaller mesh")
         self.start()
-        deadline = self.deadline if deadline is None else deadline
+        mesh = tuple(mesh)
+        if (mesh, extra) not in self._built:
+            # Building a mesh's groups is a round of new_group calls on every pool rank: setup, not
+            # the case, so it runs first under the start timeout and the deadline measures the case.
+            self._task_in_scratch("harness.tasks:noop", None, mesh, extra, 0, world, self.start_timeout,
+                                  f"{label} (building its meshes)")
+            self._built.add((mesh, extra))
+        return self._task_in_scratch(fn, payload, mesh, extra, seed, world,
+                                     self.deadline if deadline is None else deadline, label)
+
+    def _task_in_scratch(self, fn: str, payload: Any, mesh: tuple, extra: tuple, seed: int, world: int,
+                         deadline: float, label: str) -> dict[int, Any]:
         self._task += 1
         scratch = os.path.join(self._tmp, f"task{self._task}")
         os.mkdir(scratch)
         try:
-            return self._run(fn, payload, tuple(mesh), extra, seed, scratch, world, deadline, label)
+            return self._run(fn, payload, mesh, extra, seed, scratch, world, deadline, label)
         finally:
             if self._tmp:  # a failed task may have killed the pool, and its temp dir with it
                 shutil.rmtree(scratch, ignore_errors=True)

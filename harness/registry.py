@@ -20,7 +20,9 @@ from .config import Config, ConfigError
 
 
 def _load(path: str):
-    module, _, name = path.partition(":")
+    module, sep, name = path.partition(":")
+    if not sep or not name:
+        raise ValueError(f"{path!r} is not of the form 'package.module:function'")
     return getattr(importlib.import_module(module), name)
 
 
@@ -76,10 +78,39 @@ def register_component(component: Component) -> Component:
     return component
 
 
+_REGISTERED: list[tuple[str, str]] = []  # (component, implementation) added by users
+
+
 def register_implementation(component: str, name: str, run: str, skip: str | None = None,
                             omits: tuple[str, ...] = ()) -> None:
-    """Add (or replace) implementation ``name`` of ``component``; ``run`` is imported on the ranks."""
+    """Add (or replace) implementation ``name`` of ``component``; ``run`` is imported on the ranks.
+
+    ``run`` and ``skip`` are ``"module:function"`` paths importable in this environment (the
+    plugin checks them once, before any cell runs); ``omits`` names reference results the
+    implementation cannot produce.
+    """
     get(component).implementations[name] = Implementation(name, run, skip, tuple(omits))
+    _REGISTERED.append((component, name))
+
+
+def unresolved() -> list[str]:
+    """One message per user-registered implementation path that does not import, naming it."""
+    problems = []
+    for component, name in dict.fromkeys(_REGISTERED):
+        impl = COMPONENTS[component].implementations.get(name)
+        for what, path in (("run", impl.run), ("skip", impl.skip)) if impl else ():
+            if path is None:
+                continue
+            try:
+                function = _load(path)
+            except Exception as error:  # noqa: BLE001  any import failure reads the same to the user
+                problems.append(f"implementation {component}/{name}: {what} path {path!r} does not resolve "
+                                f"({type(error).__name__}: {error}); fix register_implementation(..., {what}=...) "
+                                f"or make the module importable")
+                continue
+            if not callable(function):
+                problems.append(f"implementation {component}/{name}: {what} path {path!r} is not a function")
+    return problems
 
 
 def get(name: str) -> Component:
@@ -91,15 +122,20 @@ def get(name: str) -> Component:
         raise ConfigError(f"unknown component {name!r}; registered: {', '.join(sorted(COMPONENTS))}") from None
 
 
-def modules() -> list[str]:
-    """Every module a registered component or implementation names, for the pool to preload."""
+def modules(cfgs=None) -> list[str]:
+    """The modules a set of configs' components and implementations name (every registered one by
+    default), for the pool to preload before it forks its ranks."""
     from . import components  # noqa: F401  registers the built-in components
 
+    wanted = None if cfgs is None else {(cfg.component, cfg.impl) for cfg in cfgs}
     paths = []
     for component in COMPONENTS.values():
+        impls = [i for i in component.implementations.values() if wanted is None or (component.name, i.name) in wanted]
+        if not impls:
+            continue
         paths += [component.reference, component.validate, component.reduction]
         paths += [component.meshes] if component.meshes else []
-        for impl in component.implementations.values():
+        for impl in impls:
             paths += [impl.run] + ([impl.skip] if impl.skip else [])
     return sorted({path.partition(":")[0] for path in paths})
 

@@ -13,7 +13,7 @@ from harness.golden import GoldenError, golden_path, read_golden, write_golden
 from harness.tolerance import tolerance
 
 CFG = Config("tp", "ours", {"tp": 2}, "bf16", {"b": 4}, {"op": "mlp"})
-NODE = "cases/test_tp.py::test_tp[x]"
+RERUN = "python -m pytest 'cases/test_tp.py::test_tp[x]'"
 
 
 def tensors(seed=0):
@@ -50,8 +50,8 @@ def test_bytes_are_deterministic_across_processes(tmp_path):
 
 
 def test_missing_golden_says_how_to_create_it(tmp_path):
-    with pytest.raises(GoldenError, match=r"is missing: create it with\n  pytest 'cases/test_tp.py::test_tp\[x\]' --update-golden"):
-        read_golden(golden_path(tmp_path, CFG), CFG, NODE)
+    with pytest.raises(GoldenError, match=r"is missing: create it with\n  python -m pytest 'cases/test_tp.py::test_tp\[x\]' --update-golden"):
+        read_golden(golden_path(tmp_path, CFG), CFG, RERUN)
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "empty"])
@@ -62,7 +62,7 @@ def test_corrupt_golden_is_a_clear_error_naming_the_file(tmp_path, damage):
     path.write_bytes({"garbage": b"\x00not a safetensors file" * 10, "truncated": data[: len(data) // 2],
                       "empty": b""}[damage])
     with pytest.raises(GoldenError, match="corrupt or truncated") as error:
-        read_golden(path, CFG, NODE)
+        read_golden(path, CFG, RERUN)
     assert str(path) in str(error.value) and "--update-golden" in str(error.value)
 
 
@@ -80,29 +80,41 @@ def outcome(result):
 def test_update_writes_only_what_changed_and_says_what_moved(tmp_path):
     path = golden_path(tmp_path, CFG)
     first = outcome(tensors())
-    check_golden(first, tmp_path, True, "gloo", NODE, "")
+    check_golden(first, tmp_path, update=True)
     assert first.golden_status == "written"
     before = path.stat().st_mtime_ns, path.read_bytes()
     same = outcome(tensors())
-    check_golden(same, tmp_path, True, "gloo", NODE, "")
+    check_golden(same, tmp_path, update=True)
     assert same.golden_status == "identical" and (path.stat().st_mtime_ns, path.read_bytes()) == before
     moved = tensors()
     moved["grad/w"] = moved["grad/w"] * 1.5
     changed = outcome(moved)
-    check_golden(changed, tmp_path, True, "gloo", NODE, "")
+    check_golden(changed, tmp_path, update=True)
     assert changed.golden_status == "updated"
     assert "grad/w" in changed.moved and "1.5" in changed.moved  # norm ratio of what moved
     assert torch.equal(read_golden(path, CFG)[0]["grad/w"], moved["grad/w"])
 
 
 def test_drift_fails_without_update_and_rounding_passes_as_not_identical(tmp_path):
-    check_golden(outcome(tensors()), tmp_path, True, "gloo", NODE, "")
+    check_golden(outcome(tensors()), tmp_path, update=True)
     drifted = tensors()
     drifted["out"] = drifted["out"] * 2
     with pytest.raises(Divergence, match="drifted from its golden file"):
-        check_golden(outcome(drifted), tmp_path, False, "gloo", NODE, "")
+        check_golden(outcome(drifted), tmp_path)
     noisy = tensors()
     noisy["grad/w"] = noisy["grad/w"] * (1 + 1e-7)
     result = outcome(noisy)
-    check_golden(result, tmp_path, False, "gloo", NODE, "")
+    check_golden(result, tmp_path)
     assert result.golden_status == "within tolerance" and not result.golden.bit_identical
+
+
+def test_a_missing_golden_is_written_from_a_passing_run_or_fails_when_strict(tmp_path):
+    with pytest.raises(GoldenError, match="is missing"):
+        check_golden(outcome(tensors()), tmp_path, missing="fail", rerun=RERUN)
+    assert not golden_path(tmp_path, CFG).exists()
+    new = outcome(tensors())
+    check_golden(new, tmp_path, missing="write")
+    assert new.golden_status == "written" and golden_path(tmp_path, CFG).exists()
+    again = outcome(tensors())
+    check_golden(again, tmp_path, missing="fail")
+    assert again.golden_status == "identical"

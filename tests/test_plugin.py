@@ -1,7 +1,14 @@
 """The pytest plugin end to end, in real pytest subprocesses."""
+import fnmatch
 import os
+import shlex
+import sys
+import types
 
 import pytest
+import torch
+
+from harness.plugin import rerun_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,7 +29,6 @@ def test_tp(cfg, parity):
 @pytest.fixture
 def project(pytester, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    pytester.makeconftest('pytest_plugins = ["harness.plugin"]')
     pytester.makepyfile(test_cells=CASES)
     return pytester
 
@@ -32,16 +38,18 @@ def run(project, *args):
 
 
 def test_goldens_are_created_checked_and_selected_by_id_pieces(project):
-    result = run(project)
+    result = run(project, "--strict-golden")  # CI: a cell without a golden file fails
     result.assert_outcomes(failed=4)
     result.stdout.fnmatch_lines(["*is missing: create it with*", "*--update-golden*"])
+    assert not (project.path / "golden").exists()
 
-    result = run(project, "--update-golden")
+    result = run(project)  # locally: a cell that matches the reference records its missing golden
     result.assert_outcomes(passed=4)
     assert len(list((project.path / "golden" / "tp").iterdir())) == 4
-    result.stdout.fnmatch_lines(["*parity summary*", "*component*", "tp*4*0*0*"])
+    result.stdout.fnmatch_lines(["*parity summary*", "*component*", "tp*4*0*0*",
+                                 "golden files written for 4 cells that had none: review and commit them*"])
 
-    result = run(project, "-k", "tp2 and bf16")
+    result = run(project, "-k", "tp2 and bf16", "--strict-golden")
     result.assert_outcomes(passed=1, deselected=3)
 
     (golden,) = (project.path / "golden" / "tp").glob("*tp2-fp32*")
@@ -51,7 +59,7 @@ def test_goldens_are_created_checked_and_selected_by_id_pieces(project):
     result.stdout.fnmatch_lines([f"*golden file*{golden.name} is corrupt or truncated*"])
 
 
-def test_a_divergence_prints_the_table_and_the_line_that_reproduces_it(project):
+def test_a_divergence_prints_the_table_the_line_that_reproduces_it_and_counts_in_the_summary(project):
     run(project, "--update-golden").assert_outcomes(passed=4)
     # a user-registered implementation with a planted bug, added without editing the project
     project.makepyfile(buggy='''
@@ -63,20 +71,81 @@ def run(ctx, cfg):
     return tp.run(ctx, cfg)
 ''')
     project.makeconftest('''
-pytest_plugins = ["harness.plugin"]
 from harness.registry import register_implementation
 register_implementation("tp", "buggy", "buggy:run")
 ''')
     project.makepyfile(test_cells=CASES.replace('impls=["ours"]', 'impls=["ours", "buggy"]'))
-    result = run(project, "-k", "buggy and tp2 and fp32", "--update-golden")
-    result.assert_outcomes(failed=1, deselected=7)
+    result = run(project, "-k", "tp2 and fp32", "--update-golden")
+    result.assert_outcomes(failed=1, passed=1, deselected=6)
+    python = shlex.quote(sys.executable)
     result.stdout.fnmatch_lines([
         "*tp-buggy-tp2-fp32-op_mlp-* diverges from the reference*",
         "*tensor*worst index*actual*expected*abs err*rel err*tol*norm ratio*",
         "*out*mismatch*",
-        "reproduce: pytest 'test_cells.py::test_tp?tp-buggy-tp2-fp32-op_mlp-*?'",  # ? for [ ]: fnmatch
+        # this interpreter, not whichever pytest is first on PATH (? stands for [ and ]: fnmatch)
+        f"reproduce: {python} -m pytest 'test_cells.py::test_tp?tp-buggy-tp2-fp32-op_mlp-*?'",
     ])
     assert not list((project.path / "golden" / "tp").glob("*buggy*"))  # a diverging cell writes no golden
+    summary = result.stdout.str().split("parity summary")[1]
+    row = next(line for line in summary.splitlines() if line.startswith("tp "))
+    passed, failed, skipped, worst = row.split()[1:5]
+    assert (passed, failed, skipped) == ("1", "1", "0")
+    assert float(worst) > 100  # the failed cell's real ratio, not 0
+    assert "mismatch 1" in row
+
+
+def test_skips_are_counted_with_their_most_common_reasons(project):
+    project.makepyfile(skipper='''
+def skip_reason(cfg):
+    return f"needs a GPU for {cfg.dtype}" if cfg.dtype == "bf16" else None
+''')
+    project.makeconftest('''
+from harness.registry import register_implementation
+register_implementation("tp", "mine", "parallel.tp:run", skip="skipper:skip_reason")
+''')
+    project.makepyfile(test_cells=CASES.replace('impls=["ours"]', 'impls=["mine"]'))
+    result = run(project)
+    result.assert_outcomes(passed=2, skipped=2)
+    result.stdout.fnmatch_lines(["tp*2*0*2*", "skipped tp x2: needs a GPU for bf16"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--pool-size", "0"], "ERROR: --pool-size 0: must be at least 1*"),
+    (["--case-deadline", "-1"], "ERROR: --case-deadline -1.0: must be a positive number of seconds*"),
+    (["--case-deadline", "0"], "ERROR: --case-deadline 0.0: must be a positive number of seconds*"),
+    (["--backend", "mpi"], "ERROR: --backend mpi: backend 'mpi' is not one of auto, gloo, nccl"),
+    pytest.param(["--backend", "nccl"], "ERROR: --backend nccl: backend nccl needs CUDA*use --backend gloo",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present here")),
+])
+def test_a_bad_option_value_is_one_line_and_a_usage_error(project, args, message):
+    result = run(project, *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    lines = [line for line in result.stderr.lines if line.strip()]
+    assert len(lines) == 1, result.stderr.str()
+    assert fnmatch.fnmatch(lines[0], message), lines[0]
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+
+
+def test_an_implementation_that_does_not_import_fails_once_at_collection_naming_the_path(project):
+    project.makeconftest('''
+from harness.registry import register_implementation
+register_implementation("tp", "typo", "mypkg.tp_impll:run")
+''')
+    project.makepyfile(test_cells=CASES.replace('impls=["ours"]', 'impls=["typo"]'))
+    result = run(project)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    (line,) = [line for line in result.stderr.lines if line.strip()]
+    assert "implementation tp/typo: run path 'mypkg.tp_impll:run' does not resolve (ModuleNotFoundError" in line
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+
+
+def test_the_rerun_command_uses_this_interpreter_and_the_rootdir(tmp_path, monkeypatch):
+    config = types.SimpleNamespace(rootpath=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert rerun_command(config, "cases/t.py::t[a]") == f"{shlex.quote(sys.executable)} -m pytest 'cases/t.py::t[a]'"
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    assert rerun_command(config, "cases/t.py::t[a]").startswith(f"cd {shlex.quote(str(tmp_path))} && ")
 
 
 def test_a_hung_cell_fails_with_every_rank_stack_and_the_next_cell_passes(project):
@@ -91,7 +160,6 @@ def run(ctx, cfg):
     return tp.run(ctx, cfg)
 ''')
     project.makeconftest('''
-pytest_plugins = ["harness.plugin"]
 from harness.registry import register_implementation
 register_implementation("tp", "hang", "hang:run")
 ''')

@@ -1,0 +1,83 @@
+"""README's "Your own implementation", followed to the letter in a project outside this checkout.
+
+The files and commands come from README's code blocks, not from this test: a README that drifts
+from what works fails here. The harness is installed into a fresh virtual environment (no
+PYTHONPATH, not run from this checkout), as a user's project would have it.
+"""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PLACEHOLDER = "/path/to/paritytest"
+
+
+def readme_section(title: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+def code_blocks(section: str) -> list[tuple[str, str]]:
+    """(language, body) of every fenced block, in order."""
+    return re.findall(r"```(\w+)\n(.*?)```", section, flags=re.S)
+
+
+def project_files(blocks) -> dict[str, str]:
+    """Blocks whose first line names a file (``# mypkg/tp_impl.py``) are that file's whole text."""
+    files = {}
+    for _, body in blocks:
+        first = body.splitlines()[0]
+        match = re.fullmatch(r"# (\S+\.(?:py|ini|toml|cfg))", first)
+        if match:
+            files[match.group(1)] = body
+    return files
+
+
+def test_the_readme_blocks_name_a_package_a_conftest_a_test_and_the_commands():
+    blocks = code_blocks(readme_section("Your own implementation"))
+    files = project_files(blocks)
+    assert {"mypkg/tp_impl.py", "tests_parity/conftest.py", "tests_parity/test_mine.py"} <= set(files)
+    commands = [body for lang, body in blocks if lang == "sh"]
+    assert any(PLACEHOLDER in c for c in commands) and any("pytest" in c for c in commands)
+
+
+@pytest.mark.slow
+def test_an_outside_project_runs_its_own_implementation_as_readme_says(tmp_path):
+    blocks = code_blocks(readme_section("Your own implementation"))
+    project = tmp_path / "myproject"
+    for name, text in project_files(blocks).items():
+        path = project / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    (project / "mypkg" / "__init__.py").touch()
+    env = {k: v for k, v in os.environ.items()
+           if k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL",
+                    "PIP_FIND_LINKS", "PIP_CONSTRAINT", "PIP_CONFIG_FILE")}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                  if not p.startswith(str(Path(sys.executable).parent)))
+
+    def sh(script: str, timeout: float) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-euo", "pipefail", "-c", script.replace(PLACEHOLDER, str(ROOT))],
+                              cwd=project, env=env, capture_output=True, text=True, timeout=timeout)
+
+    install, run = [body for lang, body in blocks if lang == "sh"]
+    done = sh(install, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    where = sh('.venv/bin/python -c "import harness; print(harness.__file__)"', timeout=60)
+    assert str(project / ".venv") in where.stdout, where.stdout + where.stderr  # installed, not borrowed
+
+    first = sh(run, timeout=600)
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
+    assert "6 passed" in first.stdout
+    goldens = sorted(p.name for p in (project / "golden" / "tp").iterdir())
+    assert len(goldens) == 6 and all(g.startswith("tp-mine-") for g in goldens)
+    assert "golden files written for 6 cells" in first.stdout
+
+    again = sh(run.strip() + " --strict-golden", timeout=600)  # what CI runs once they are committed
+    assert again.returncode == 0 and "6 passed" in again.stdout, again.stdout[-4000:]
