@@ -6,9 +6,11 @@ the options and the fixture without naming the plugin. It is inert until a test 
 """
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -136,6 +138,24 @@ def rerun_command(config, nodeid: str) -> str:
     return command
 
 
+def cell_record(cfg: Config) -> dict:
+    """What the plugin records of a cell (the ``parity`` user property, JSON): its coordinates in
+    the matrix, then its outcome, filled in as the cell runs."""
+    return {"cell": cfg.id, "component": cfg.component, "impl": cfg.impl,
+            "mesh": ".".join(f"{k}{v}" for k, v in cfg.mesh), "dtype": cfg.dtype, "switches": dict(cfg.switches),
+            "status": "failed", "kind": "", "ratio": 0.0, "tensor": "", "norm_ratio": 1.0, "golden": "",
+            "moved": "", "seconds": 0.0}
+
+
+def _worst(report) -> dict:
+    """The worst tensor of a comparison: its err/tol ratio, name and norm ratio."""
+    rows = report.rows if report else []
+    if not rows:
+        return {}
+    row = max(rows, key=lambda r: r.ratio)
+    return {"ratio": row.ratio, "tensor": row.tensor, "norm_ratio": row.norm_ratio}
+
+
 @pytest.fixture
 def parity(request, rank_pool, pytestconfig):
     """``parity(cfg)``: run the cell in the pool, compare with the reference and its golden file."""
@@ -148,9 +168,14 @@ def parity(request, rank_pool, pytestconfig):
     golden_dir = Path(opt("--golden-dir") or pytestconfig.rootpath / "golden")
 
     def check(cfg: Config):
-        record = {"component": cfg.component, "status": "failed", "ratio": 0.0, "kind": "", "golden": "",
-                  "moved": ""}
-        request.node.user_properties.append((PROPERTY, record))
+        record = cell_record(cfg)
+        try:
+            return _run_checked(cfg, record)
+        finally:  # one JSON property per cell, in the junit XML too: what harness.report reads
+            request.node.user_properties.append((PROPERTY, json.dumps(record, sort_keys=True)))
+
+    def _run_checked(cfg: Config, record: dict):
+        start = time.perf_counter()
         try:
             component = validate(cfg, rank_pool.size)
         except ConfigError as error:
@@ -167,15 +192,15 @@ def parity(request, rank_pool, pytestconfig):
                 failure = None
             except Divergence as error:
                 failure, record["kind"] = str(error), error.kind
-                record["ratio"] = error.report.worst_ratio if error.report else 0.0
+                record.update(_worst(error.report))
             except CaseFailure as error:
                 failure, record["kind"] = str(error), error.kind
             except (AssemblyError, GoldenError, PoolError) as error:
                 failure, record["kind"] = str(error), type(error).__name__
+        record["seconds"] = round(time.perf_counter() - start, 4)
         if failure is not None:  # outside the except block: the report shows our message, no chain
             pytest.fail(failure, pytrace=False)
-        record.update(status="passed", ratio=outcome.parity.worst_ratio, golden=outcome.golden_status,
-                      moved=outcome.moved)
+        record.update(_worst(outcome.parity), status="passed", golden=outcome.golden_status, moved=outcome.moved)
         return outcome
 
     return check
@@ -193,9 +218,10 @@ class _Summary:
         self.written: list[str] = []
 
     def add(self, report):
-        record = dict(report.user_properties).get(PROPERTY)
-        if record is None or report.when != "call":
+        prop = dict(report.user_properties).get(PROPERTY)
+        if prop is None or report.when != "call":
             return
+        record = json.loads(prop)
         row = self.rows[record["component"]]
         status = "failed" if report.failed else "skipped" if report.skipped else record["status"]
         row[status] += 1
