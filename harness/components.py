@@ -17,6 +17,7 @@ register_component(Component(
     reference="reference.ring_attention:reference",
     validate="parallel.ring_attention:validate",
     reduction="reference.ring_attention:reduction_size",
+    simplest={"mask": ("full", "causal"), "layout": ("contig", "zigzag"), "gqa": ("off", "on")},
     implementations={
         "ours": Implementation("ours", "parallel.ring_attention:run"),
         "torch": Implementation("torch", "parallel.ring_attention_torch:run",
