@@ -24,3 +24,14 @@ register_component(Component(
                                 skip="parallel.ring_attention_torch:skip_reason", omits=("lse",)),
     },
 ))
+
+register_component(Component(
+    name="moe",
+    reference="reference.moe:reference",
+    validate="parallel.moe:validate",
+    reduction="reference.moe:reduction_size",
+    meshes="parallel.moe:meshes",
+    implementations={
+        "ours": Implementation("ours", "parallel.moe:run"),
+    },
+))
