@@ -22,6 +22,7 @@ How the matrix is chosen (not the full product, which would be ~2,000 cells):
 import pytest
 
 from harness.config import Config
+from harness.matrix import mesh as parse
 from reference.moe import SIZES
 
 # (cell mesh, expert mesh): emesh_dense, or the expert mesh borrowed from the dense dp[,tp] dims
@@ -55,16 +56,12 @@ EDGES = [
 
 
 def experts_for(mesh: str, emesh: str) -> list[int]:
-    from harness.matrix import mesh as parse
-
     dims = dict(parse(mesh))
     ep = dims.get("ep", 1) if emesh == "dense" else int(emesh[2:].split("etp")[0])
     return [6] if ep == 3 else [e for e in (4, 8, 16) if e % ep == 0]
 
 
 def cell(mesh, emesh, dtype, e, k, cap, score, norm, route="rand") -> Config:
-    from harness.matrix import mesh as parse
-
     return Config("moe", "ours", parse(mesh), dtype, dict(SIZES, e=e, k=k),
                   dict(emesh=emesh, cap=cap, score=score, norm=norm, route=route))
 

@@ -48,7 +48,7 @@ from harness.config import Config, ConfigError
 from harness.context import RankContext
 from harness.layout import Piece, Shard, take
 from reference.common import grad_name, param_name, probe_loss, sgd_step
-from reference.moe import AUX_WEIGHT, EXPERT_PARAMS, PARAMS, capacity, make_problem, probs_of, scores_of, swiglu
+from reference.moe import AUX_WEIGHT, EXPERT_PARAMS, capacity, make_problem, probs_of, scores_of, swiglu
 
 from .collectives import (all_reduce_, all_to_all_rows, copy_to_group, gather_from_group, group_rank, group_size,
                           reduce_from_group, split_to_group)
