@@ -23,6 +23,9 @@ uneven shards too. :meth:`FSDP.state_dict` returns the model and AdamW state in 
 ``torch.distributed.checkpoint`` to save or load in place; :meth:`FSDP.load_state_dict` copies such
 a state back into the shards. Keys: ``model.<p>``, ``optim.<p>.exp_avg``, ``optim.<p>.exp_avg_sq``
 (DTensors) and ``optim.<p>.step`` (a plain scalar tensor), for p in w1, b1, w2, b2.
+``parallel/fsdp_torch.py:state_dict`` gives the same keys for FSDP2, so a checkpoint crosses over.
+On a mesh smaller than the pool, pass ``dcp.save/load`` a ``process_group`` spanning the mesh's
+ranks (the default group is the whole pool, whose idle ranks would never join).
 
 The algorithm
 -------------
@@ -30,7 +33,9 @@ The algorithm
   chunk: that is the buffer it sends, since gloo's all-gather needs equal sizes.
 * A layer's forward all-gathers its parameters (cast to the compute dtype first: bf16 under mixed
   precision, so the wire carries bf16) and frees the full tensors when it returns: autograd saves a
-  handle instead of the full weight (``saved_tensors_hooks``), and the backward all-gathers again.
+  handle instead of the full weight (``saved_tensors_hooks``), and the backward all-gathers again
+  each weight it needs (W2, to pass the gradient to the hidden layer; not W1, whose input needs no
+  gradient, nor the biases).
 * :class:`GatherParam` states the pair: forward all-gather over the shard group, backward
   reduce-scatter over the shard group, then all-reduce over ``rep``, divided by the whole
   data-parallel world (the local loss is a mean over the rank's rows, so the gradient is the mean
