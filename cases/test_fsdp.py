@@ -49,7 +49,7 @@ def reduction_probe(ctx, microbatches: int):
 
     from parallel.fsdp import DPGroups, FSDPParam, GatherParam
 
-    groups = DPGroups.of(ctx)
+    groups = DPGroups.of(ctx.device_mesh)
     param = FSDPParam("w", torch.zeros(PROBE_ROWS, 3), groups, torch.bfloat16)
     for i in range(microbatches):
         param.reduce_now = i == microbatches - 1

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as DShard
 
@@ -126,12 +127,15 @@ class DPGroups:
     index: int  # this rank's block of the batch
 
     @classmethod
-    def of(cls, ctx: RankContext) -> "DPGroups":
-        names = ctx.layout.names
-        shard = ctx.group(shard_dim(names))
-        rep = ctx.group("rep") if "rep" in names else None
-        s, r = ctx.degree(shard_dim(names)), ctx.degree("rep")
-        return cls(shard, rep, s * r, ctx.coord("rep") * s + ctx.coord(shard_dim(names)))
+    def of(cls, mesh: DeviceMesh) -> "DPGroups":
+        """The groups of a ``dp`` or ``(rep, shard)`` DeviceMesh (the cell's, or a declared extra one)."""
+        names = mesh.mesh_dim_names
+        sd = shard_dim(names)
+        s, c = mesh.size(names.index(sd)), mesh.get_local_rank(sd)
+        rep, r, rc = None, 1, 0
+        if "rep" in names:
+            rep, r, rc = mesh.get_group("rep"), mesh.size(names.index("rep")), mesh.get_local_rank("rep")
+        return cls(mesh.get_group(sd), rep, s * r, rc * s + c)
 
 
 class FSDPParam:
@@ -193,14 +197,12 @@ class GatherParam(torch.autograd.Function):
 class FSDP:
     """The reference MLP, each linear layer one FSDP unit over this rank's data-parallel groups."""
 
-    def __init__(self, ctx: RankContext, params: dict[str, torch.Tensor], compute_dtype: torch.dtype):
-        self.groups = DPGroups.of(ctx)
+    def __init__(self, mesh: DeviceMesh, params: dict[str, torch.Tensor], compute_dtype: torch.dtype):
+        self.mesh, self.groups = mesh, DPGroups.of(mesh)
         self.compute_dtype = compute_dtype
         self.params = {k: FSDPParam(k, params[k].float(), self.groups, compute_dtype) for k in PARAMS}
         self.optimizer = adamw([p.shard for p in self.params.values()])
-        names = ctx.layout.names
-        self.mesh = ctx.device_mesh
-        self.placements = [Replicate(), DShard(0)] if "rep" in names else [DShard(0)]
+        self.placements = [Replicate(), DShard(0)] if "rep" in mesh.mesh_dim_names else [DShard(0)]
 
     def _unit(self, names: tuple[str, ...], fn, x: torch.Tensor) -> torch.Tensor:
         """Run ``fn(full params, x)`` with the unit's parameters gathered; autograd keeps no full
@@ -301,13 +303,13 @@ class FSDP:
             dest = target.to_local() if isinstance(target, DTensor) else target
             if local.shape != dest.shape:
                 raise ValueError(f"{key}: local shard of shape {tuple(local.shape)}, this rank holds {tuple(dest.shape)}")
-            if dest.data_ptr() != local.data_ptr() or dest.numel() == 0:
-                dest.copy_(local)
+            dest.copy_(local)  # a no-op where dcp.load already wrote into the shard itself
 
 
-def build(ctx: RankContext, cfg: Config) -> FSDP:
-    """Our FSDP of ``cfg``'s problem on this rank, before any step."""
-    return FSDP(ctx, make_problem(cfg).params, MIXED[cfg.dtype])
+def build(ctx: RankContext, cfg: Config, mesh: DeviceMesh | None = None) -> FSDP:
+    """Our FSDP of ``cfg``'s problem on this rank, before any step, on ``mesh`` (a ``dp`` or
+    ``(rep, shard)`` DeviceMesh; default the cell's own, ``ctx.device_mesh``)."""
+    return FSDP(ctx.device_mesh if mesh is None else mesh, make_problem(cfg).params, MIXED[cfg.dtype])
 
 
 def local_rows(t: torch.Tensor, groups: DPGroups) -> torch.Tensor:
@@ -334,7 +336,7 @@ def step_pieces(step: int, loss, norm, grads: dict, shards: dict, opt_state: dic
 def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     """Three FSDP/HSDP training steps on this rank; returns every step's pieces."""
     problem = make_problem(cfg)
-    model = FSDP(ctx, problem.params, MIXED[cfg.dtype])
+    model = build(ctx, cfg)
     placement = {shard_dim(ctx.layout.names): Shard(0)}
     pieces: dict[str, Piece] = {}
     for k in range(STEPS):

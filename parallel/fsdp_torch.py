@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -58,18 +59,20 @@ class MLP(nn.Module):
         return self.l2(F.gelu(self.l1(x)))
 
 
-def build(ctx: RankContext, cfg: Config) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The FSDP2 model (fp32 master parameters) and its AdamW on this rank, before any step."""
+def build(ctx: RankContext, cfg: Config, mesh: DeviceMesh | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The FSDP2 model (fp32 master parameters) and its AdamW on this rank, before any step, on
+    ``mesh`` (``dp``, ``(rep, shard)`` or ``(dp, tp)``; default the cell's own, ``ctx.device_mesh``)."""
     model = MLP({k: t.float() for k, t in make_problem(cfg).params.items()})
-    names = ctx.layout.names
+    device_mesh = ctx.device_mesh if mesh is None else mesh
+    names = device_mesh.mesh_dim_names
     if "tp" in names:
         # l1's output stays a DTensor: re-wrapping a local shard (the default) would assume even shards,
         # and f=13 over tp=2 is 7/6
         plan = {"l1": ColwiseParallel(use_local_output=False), "l2": RowwiseParallel()}
-        parallelize_module(model, ctx.device_mesh["tp"], plan)
-        mesh = ctx.device_mesh["dp"]
+        parallelize_module(model, device_mesh["tp"], plan)
+        mesh = device_mesh["dp"]
     else:
-        mesh = ctx.device_mesh  # 1-D dp, or 2-D (rep, shard): HSDP
+        mesh = device_mesh  # 1-D dp, or 2-D (rep, shard): HSDP
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.dtype == "bf16" else None,
                                   reduce_dtype=torch.float32)
     for layer in (model.l1, model.l2):
@@ -106,14 +109,12 @@ def _results(t: torch.Tensor, tp: bool) -> torch.Tensor:
     return _full(t) if tp else t.to_local().detach()
 
 
-def _dp_groups(ctx: RankContext) -> list:
-    return [ctx.group(n) for n in ctx.layout.names if n != "tp"]
-
-
-def train_step(ctx: RankContext, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+def train_step(mesh: DeviceMesh, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
                probe: torch.Tensor, microbatches: int):
-    """One optimizer step on this rank's rows; returns the global loss, the gradient norm before
-    clipping and the full gradients before clipping (by reference name)."""
+    """One optimizer step on this rank's rows (``mesh``: the one the model was built on); returns the
+    global loss, the gradient norm before clipping and the gradients before clipping (by reference
+    name: local shards, or full tensors with tp)."""
+    names = mesh.mesh_dim_names
     params = dict(model.named_parameters())
     loss = torch.zeros(())
     for i, (xm, pm) in enumerate(zip(x.chunk(microbatches), probe.chunk(microbatches))):
@@ -121,18 +122,18 @@ def train_step(ctx: RankContext, model: nn.Module, optimizer: torch.optim.Optimi
         mb_loss = probe_loss(model(xm.float()), pm, x.shape[0])  # a mean over this rank's rows
         mb_loss.backward()
         loss += mb_loss.detach()
-    tp = "tp" in ctx.layout.names
-    grads = {NAMES[n]: _results(p.grad, tp).clone() for n, p in params.items()}
+    grads = {NAMES[n]: _results(p.grad, "tp" in names).clone() for n, p in params.items()}
     norm = _full(torch.nn.utils.clip_grad_norm_(list(params.values()), MAX_NORM, foreach=False))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    for group in _dp_groups(ctx):
-        dist.all_reduce(loss, group=group)
-    return loss / dp_world(ctx.layout.dims), norm, grads
+    for n in names:
+        if n != "tp":
+            dist.all_reduce(loss, group=mesh.get_group(n))
+    return loss / dp_world(zip(names, mesh.shape)), norm, grads
 
 
 def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
-    """Three FSDP2 training steps; returns every step's results as full (replicated) pieces."""
+    """Three FSDP2 training steps; returns every step's results (see ``_results``)."""
     problem = make_problem(cfg)
     model, optimizer = build(ctx, cfg)
     names = [n for n in ctx.layout.names if n != "tp"]
@@ -146,7 +147,7 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     pieces: dict[str, Piece] = {}
     for k in range(STEPS):
         x, probe = (take(t[k], Shard(0), world, index) for t in (problem.x, problem.probe))
-        loss, norm, grads = train_step(ctx, model, optimizer, x, probe, cfg.size("m"))
+        loss, norm, grads = train_step(ctx.device_mesh, model, optimizer, x, probe, cfg.size("m"))
         shards = {NAMES[n]: _results(p, tp) for n, p in params.items()}
         opt = {NAMES[n]: {key: _results(optimizer.state[p][key], tp) for key in ("exp_avg", "exp_avg_sq")}
                for n, p in params.items()}
