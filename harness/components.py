@@ -35,3 +35,14 @@ register_component(Component(
         "ours": Implementation("ours", "parallel.moe:run"),
     },
 ))
+
+register_component(Component(
+    name="fsdp",
+    reference="reference.fsdp:reference",
+    validate="parallel.fsdp:validate",
+    reduction="reference.fsdp:reduction_size",
+    implementations={
+        "ours": Implementation("ours", "parallel.fsdp:run"),
+        "fsdp2": Implementation("fsdp2", "parallel.fsdp_torch:run", skip="parallel.fsdp_torch:skip_reason"),
+    },
+))
