@@ -80,11 +80,14 @@ class Shard:
     ``packs``: the dim is ``packs`` equal blocks (packed gate/up weights); each block is chunked and
     a rank holds its chunk of every block, concatenated. ``zigzag``: the dim is cut in ``2n`` chunks
     and coordinate ``c`` holds chunks ``c`` and ``2n-1-c`` (load-balanced causal attention).
+    ``on``: the coordinates (negative counts from the end) that each hold the whole dim, as replicas;
+    the others hold none of it (a pipeline's embedding on the first stage, its head on the last).
     """
 
     dim: int
     packs: int = 1
     zigzag: bool = False
+    on: tuple[int, ...] = ()
 
 
 def chunk_bounds(size: int, n: int, i: int) -> tuple[int, int]:
@@ -95,6 +98,8 @@ def chunk_bounds(size: int, n: int, i: int) -> tuple[int, int]:
 
 def shard_indices(index: torch.Tensor, shard: Shard, n: int, c: int) -> torch.Tensor:
     """The entries of a 1-D index vector that coordinate ``c`` of ``n`` holds under ``shard``."""
+    if shard.on:
+        return index if c in {k % n for k in shard.on} else index[:0]
     if shard.zigzag:
         parts = [index[slice(*chunk_bounds(len(index), 2 * n, k))] for k in (c, 2 * n - 1 - c)]
         return torch.cat(parts)
