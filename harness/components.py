@@ -23,3 +23,14 @@ register_component(Component(
                                 skip="parallel.ring_attention_torch:skip_reason", omits=("lse",)),
     },
 ))
+
+register_component(Component(
+    name="pp",
+    reference="reference.pipeline:reference",
+    validate="parallel.pipeline:validate",
+    reduction="reference.pipeline:reduction_size",
+    implementations={
+        "ours": Implementation("ours", "parallel.pipeline:run"),
+        "torch": Implementation("torch", "parallel.pipeline_torch:run", skip="parallel.pipeline_torch:skip_reason"),
+    },
+))
