@@ -352,8 +352,7 @@ def _deadlock(sched: Schedule, pos: list[int], channels, taken) -> str:
             lines.append(f"  rank {r}: finished")
             continue
         a = sched.lists[r][pos[r]]
-        lines.append(f"  rank {r} waits at action {pos[r]} {a} for {_say(_payload(a))} "
-                     f"(stage {a.stage}, microbatch {a.mb}) from rank {a.peer}, which has not sent it")
+        lines.append(f"  rank {r} waits at action {pos[r]} {a} for {_say(_payload(a))}, which rank {a.peer} has not sent")
     return "\n".join(lines)
 
 

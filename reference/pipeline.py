@@ -29,12 +29,12 @@ from harness.tolerance import TORCH_DTYPE
 from .common import adamw, grad_name, param_name, record_adamw_state
 
 SIZES = dict(s=4, h=8, f=16, v=24)  # sequence, model dim, MLP dim, vocab; b, m, l, vs set per cell
-# Static loss scale: backward runs on loss * 2^-6 (a power of two: it moves exponents only, in every
+# Static loss scale: backward runs on loss * 2^-8 (a power of two: it moves exponents only, in every
 # dtype). The shared AdamW has eps=1e-3 (reference/common.py); cross-entropy gradients of this model
 # are ~1e-2..1e-1, where AdamW's first step is lr*sign(g): blind to a gradient's scale (a bug dividing
 # by m twice would not move a parameter) and a jump of 2*lr for a near-zero gradient whose rounding
 # flips its sign. Scaled into the range of eps, the step is a smooth function of the gradient.
-GRAD_SCALE = 2.0**-6
+GRAD_SCALE = 2.0**-8
 BLOCK = ("w1", "b1", "w2", "b2")
 
 
