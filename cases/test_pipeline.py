@@ -12,9 +12,9 @@ How the axes were chosen:
   be summed between the two ranks (with pp=1 they are one tensor).
 * pp ≤ 4: the whole (pp, m, schedule) grid in fp32 with tied on and off, and in bf16 at m = pp+1
   with tied on. pp=8, fp32, tied on: one pp=8 cell holds the whole pool for as long as several
-  smaller ones. No bf16 at pp=8: its 16 layers of bf16 rounding alone reach 0.6-0.8 of the bf16
-  tolerance (a single-process bf16 run of the same model does the same: 0.6-0.7 measured), too close to 1 to
-  separate from a bug.
+  smaller ones. No bf16 at pp=8: the rounding of its 16 bf16 layers alone reaches 0.6-0.7 of the
+  bf16 tolerance in the gradients (measured; a single-process bf16 run of the same model does the
+  same), too close to 1 to tell from a bug.
 * dp × pp (dp=2,pp=2 with dp outermost, pp=4,dp=2 with pp outermost: peers that a hand-written
   "rank ± 1" map gets wrong on one of them), and pp × tp 2×2 with the tensor-parallel layers of
   parallel/tp.py inside each stage; m ∈ {pp, pp+1} in fp32, pp+1 in bf16.

@@ -146,9 +146,9 @@ def execute(sched: ps.Schedule, coord: int, stages: Stages, params: dict, ids: l
             if a.kind in (ps.RF, ps.RB):
                 buf = torch.empty(act_shape, dtype=dtype)
                 dist.recv(buf, src=peer_rank[a.peer], group=group)
-                inbox[ps._payload(a)] = buf
+                inbox[ps.payload(a)] = buf
             elif a.kind in (ps.SF, ps.SB):
-                t = outbox.pop(ps._payload(a))
+                t = outbox.pop(ps.payload(a))
                 sending.append((dist.isend(t, dst=peer_rank[a.peer], group=group), t))
             elif a.kind == ps.F:
                 s, m = a.stage, a.mb

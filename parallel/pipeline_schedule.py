@@ -183,7 +183,7 @@ def build(name: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
 
 # ---- the simulator ---------------------------------------------------------------------------
 
-def _payload(a: Action) -> tuple[str, int, int]:
+def payload(a: Action) -> tuple[str, int, int]:
     """What a communication action carries: the activation leaving a stage or the gradient leaving it."""
     if a.kind == SF:
         return ("activation", a.stage, a.mb)  # output of stage s
@@ -194,8 +194,8 @@ def _payload(a: Action) -> tuple[str, int, int]:
     return ("gradient", a.stage + 1, a.mb)  # RB
 
 
-def _say(payload: tuple[str, int, int]) -> str:
-    what, stage, mb = payload
+def _say(carried: tuple[str, int, int]) -> str:
+    what, stage, mb = carried
     side = "output" if what == "activation" else "input gradient"
     return f"the {side} of stage {stage} microbatch {mb}"
 
@@ -306,17 +306,17 @@ def simulate(sched: Schedule, bwd_cost: int = 2) -> Timeline:
                     timeline.slots[r].append((clock[r], clock[r] + cost, a))
                     clock[r] += cost
                 elif a.kind in (SF, SB):
-                    channels[r, a.peer].append((_payload(a), clock[r]))
+                    channels[r, a.peer].append((payload(a), clock[r]))
                 else:
                     queue, k = channels[a.peer, r], taken[a.peer, r]
                     if k >= len(queue):
                         break  # blocked: the peer has not sent it yet
-                    payload, sent = queue[k]
-                    if payload != _payload(a):
+                    carried, sent = queue[k]
+                    if carried != payload(a):
                         raise ScheduleError(
-                            f"{sched.name}: rank {r} action {pos[r]} {a} expects {_say(_payload(a))} "
+                            f"{sched.name}: rank {r} action {pos[r]} {a} expects {_say(payload(a))} "
                             f"(stage {a.stage}, microbatch {a.mb}), but the next message from rank {a.peer} "
-                            f"is {_say(payload)}: the two ranks disagree on the order of their messages")
+                            f"is {_say(carried)}: the two ranks disagree on the order of their messages")
                     taken[a.peer, r] = k + 1
                     clock[r] = max(clock[r], sent)
                 pos[r] += 1
@@ -327,9 +327,9 @@ def simulate(sched: Schedule, bwd_cost: int = 2) -> Timeline:
             raise ScheduleError(_deadlock(sched, pos, channels, taken))
     for (src, dst), queue in sorted(channels.items()):
         if taken[src, dst] < len(queue):
-            payload = queue[taken[src, dst]][0]
-            raise ScheduleError(f"{sched.name}: rank {src} sends {_say(payload)} (stage {payload[1]}, "
-                                f"microbatch {payload[2]}) to rank {dst}, which never receives it")
+            left = queue[taken[src, dst]][0]
+            raise ScheduleError(f"{sched.name}: rank {src} sends {_say(left)} (stage {left[1]}, "
+                                f"microbatch {left[2]}) to rank {dst}, which never receives it")
     return timeline
 
 
@@ -352,7 +352,7 @@ def _deadlock(sched: Schedule, pos: list[int], channels, taken) -> str:
             lines.append(f"  rank {r}: finished")
             continue
         a = sched.lists[r][pos[r]]
-        lines.append(f"  rank {r} waits at action {pos[r]} {a} for {_say(_payload(a))}, which rank {a.peer} has not sent")
+        lines.append(f"  rank {r} waits at action {pos[r]} {a} for {_say(payload(a))}, which rank {a.peer} has not sent")
     return "\n".join(lines)
 
 
