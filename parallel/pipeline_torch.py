@@ -10,6 +10,9 @@ Loss scaling: torch's schedules divide the accumulated gradients by the number o
 (``scale_grads=True``, the default), so the loss function returns a microbatch's *mean* (times
 ``GRAD_SCALE`` / dp), not the mean divided by ``m`` as ``parallel/pipeline.py`` does. Tied
 embeddings, dp reduction and the AdamW step are ours, after the schedule, as in our implementation.
+
+That scaling is per stage: a parameter two stages of one rank share is divided by m twice. The one
+cell where that happens (tied E at pp=1 interleaved: both stages on one rank) skips with that reason.
 """
 from __future__ import annotations
 

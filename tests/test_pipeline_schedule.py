@@ -14,7 +14,7 @@ from harness.layout import MeshLayout, Piece, Shard, assemble
 from harness.matrix import mesh
 from harness.registry import validate
 from parallel import pipeline_schedule as ps
-from parallel.pipeline_schedule import B, F, RB, RF, SB, SF, Action, ScheduleError, build, simulate, table
+from parallel.pipeline_schedule import B, F, RB, RF, SF, Action, ScheduleError, build, simulate, table
 
 from .conftest import ROOT
 
