@@ -58,6 +58,14 @@ def hf_skip(cfg: Config) -> str | None:
     op, style = cfg.switch("op"), dict(cfg.switches).get("style")
     if style not in HF_STYLES.get(op, ()):
         return f"tp_hf runs op {op} with style one of {HF_STYLES.get(op)}, not {style!r}"
+    tp = cfg.degree("tp")
+    if op == "sp" and cfg.size("s") % tp:
+        # Not a strict xfail: the mismatched all-gather aborts a rank (gloo enforce, SIGABRT), which
+        # costs the pool a restart every run; the reason is the precondition DTensor imposes.
+        return (f"transformers' SequenceParallel and ColwiseParallel(input_layouts=Shard(1)) wrap the sequence "
+                f"shard with DTensor.from_local without its global shape, which assumes even shards: s={cfg.size('s')} "
+                f"over tp={tp} gives a mismatched all-gather (gloo: 'Received data size doesn't match expected "
+                f"size', the rank aborts)")
     return None
 
 
