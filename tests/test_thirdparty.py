@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from harness.config import Config
-from harness.registry import COMPONENTS, Implementation, get, modules, register_implementation, unresolved
+from harness.registry import Implementation, get, modules, register_implementation, unresolved
 from parallel import thirdparty
 from reference.tp import SIZES
 
