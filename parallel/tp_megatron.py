@@ -15,8 +15,9 @@ parameters copied into each rank's partition (Megatron splits evenly, so its par
     gateup     ColumnParallelLinear(h, 2f) holding [gate chunk; up chunk] per rank (Megatron's
                gated-linear-unit layout), chunk(2) of the local output, silu * up, RowParallelLinear
 
-``sp`` is skipped (see ``parallel/thirdparty.py``): Megatron's sequence-parallel backward allocates on
-``torch.cuda.current_device()``.
+Skipped without CUDA (``parallel/thirdparty.py``): ``sp``, and ``colgather``/``rowsplit`` at tp > 1,
+whose gathers Megatron allocates on ``torch.cuda.current_device()``; at tp=3 Megatron refuses the
+sizes itself (even division).
 
 Process groups: the layers take ``tp_group=`` (the cell's tp group, built by the pool for every
 rank). ``vocab_parallel_cross_entropy`` still reads ``parallel_state``'s module globals, so for the
