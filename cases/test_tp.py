@@ -1,14 +1,30 @@
-"""Tensor parallelism: parallel/tp.py (and DTensor's parallelize_module) against reference/tp.py."""
+"""Tensor parallelism: parallel/tp.py, DTensor's parallelize_module, transformers' TP styles and
+Megatron-Core's layers, against reference/tp.py.
+
+Axes: every op; meshes from one rank to eight, with tp=3 for torch.chunk's uneven shards and dp x tp
+for the gradient sum over dp; fp32 and bf16. Our implementation and DTensor run every mesh. The
+third-party ones (``hf``, ``megatron``, behind the ``thirdparty`` extra) run tp 1-4 and dp2 x tp2:
+the meshes where their code paths differ (none, even, uneven, dp) without the 8-rank cells' cost;
+``hf`` also runs every transformers style that carries an op (switch ``style``). Cells an
+implementation declares known-divergent run as strict xfail (harness.matrix.expect_divergence).
+"""
 import pytest
 
-from harness.matrix import cells
+from harness.matrix import cells, expect_divergence
+from parallel.thirdparty import HF_STYLES
 from reference.tp import OPS, SIZES
 
 MESHES = ["tp=1", "tp=2", "tp=3", "tp=4", "tp=8", "dp=2,tp=2", "dp=2,tp=4", "dp=4,tp=2"]
-CELLS = cells("tp", impls=["ours", "dtensor"], meshes=MESHES, dtypes=["fp32", "bf16"], sizes=SIZES,
-              switches={"op": OPS})
+THIRDPARTY_MESHES = ["tp=1", "tp=2", "tp=3", "tp=4", "dp=2,tp=2"]
+DTYPES = ["fp32", "bf16"]
+CELLS = cells("tp", impls=["ours", "dtensor"], meshes=MESHES, dtypes=DTYPES, sizes=SIZES, switches={"op": OPS})
+CELLS += cells("tp", impls=["megatron"], meshes=THIRDPARTY_MESHES, dtypes=DTYPES, sizes=SIZES, switches={"op": OPS})
+for op, styles in HF_STYLES.items():
+    CELLS += cells("tp", impls=["hf"], meshes=THIRDPARTY_MESHES, dtypes=DTYPES, sizes=SIZES,
+                   switches={"op": [op], "style": styles})
 
 
 @pytest.mark.parametrize("cfg", CELLS, ids=str)
-def test_tp(cfg, parity):
+def test_tp(cfg, parity, request):
+    expect_divergence(request, cfg)
     parity(cfg)

@@ -9,6 +9,11 @@ register_component(Component(
     implementations={
         "ours": Implementation("ours", "parallel.tp:run"),
         "dtensor": Implementation("dtensor", "parallel.tp_dtensor:run", skip="parallel.tp_dtensor:skip_reason"),
+        # third-party libraries (pip install -e '.[thirdparty]'); skips and known divergences as data
+        "hf": Implementation("hf", "parallel.tp_hf:run", skip="parallel.thirdparty:hf_skip",
+                             xfail="parallel.thirdparty:hf_xfail"),
+        "megatron": Implementation("megatron", "parallel.tp_megatron:run", skip="parallel.thirdparty:megatron_skip",
+                                   xfail="parallel.thirdparty:megatron_xfail"),
     },
 ))
 

@@ -34,9 +34,15 @@ class Implementation:
     skip: str | None = None
     # results of the reference this implementation cannot produce (e.g. SDPA returns no log-sum-exp)
     omits: tuple[str, ...] = ()
+    # "module:function" returning why a config is known to diverge (the upstream behaviour), or None:
+    # such cells run as strict xfail, so a fix upstream fails them with "remove this entry"
+    xfail: str | None = None
 
     def skip_reason(self, cfg: Config) -> str | None:
         return _load(self.skip)(cfg) if self.skip else None
+
+    def xfail_reason(self, cfg: Config) -> str | None:
+        return _load(self.xfail)(cfg) if self.xfail else None
 
 
 @dataclass
@@ -85,14 +91,15 @@ _REGISTERED: list[tuple[str, str]] = []  # (component, implementation) added by 
 
 
 def register_implementation(component: str, name: str, run: str, skip: str | None = None,
-                            omits: tuple[str, ...] = ()) -> None:
+                            omits: tuple[str, ...] = (), xfail: str | None = None) -> None:
     """Add (or replace) implementation ``name`` of ``component``; ``run`` is imported on the ranks.
 
     ``run`` and ``skip`` are ``"module:function"`` paths importable in this environment (the
     plugin checks them once, before any cell runs); ``omits`` names reference results the
-    implementation cannot produce.
+    implementation cannot produce; ``xfail`` (``"module:function"``, cfg -> reason or None) declares
+    the cells it is known to get wrong (see :func:`harness.matrix.expect_divergence`).
     """
-    get(component).implementations[name] = Implementation(name, run, skip, tuple(omits))
+    get(component).implementations[name] = Implementation(name, run, skip, tuple(omits), xfail)
     _REGISTERED.append((component, name))
 
 
@@ -101,7 +108,7 @@ def unresolved() -> list[str]:
     problems = []
     for component, name in dict.fromkeys(_REGISTERED):
         impl = COMPONENTS[component].implementations.get(name)
-        for what, path in (("run", impl.run), ("skip", impl.skip)) if impl else ():
+        for what, path in (("run", impl.run), ("skip", impl.skip), ("xfail", impl.xfail)) if impl else ():
             if path is None:
                 continue
             try:
@@ -139,7 +146,7 @@ def modules(cfgs=None) -> list[str]:
         paths += [component.reference, component.validate, component.reduction]
         paths += [component.meshes] if component.meshes else []
         for impl in impls:
-            paths += [impl.run] + ([impl.skip] if impl.skip else [])
+            paths += [impl.run] + [p for p in (impl.skip, impl.xfail) if p]
     return sorted({path.partition(":")[0] for path in paths})
 
 
