@@ -6,11 +6,11 @@ for the gradient sum over dp; fp32 and bf16. Our implementation and DTensor run 
 third-party ones (``hf``, ``megatron``, behind the ``thirdparty`` extra) run tp 1-4 and dp2 x tp2:
 the meshes where their code paths differ (none, even, uneven, dp) without the 8-rank cells' cost;
 ``hf`` also runs every transformers style that carries an op (switch ``style``). Cells an
-implementation declares known-divergent run as strict xfail (harness.matrix.expect_divergence).
+implementation declares known-divergent run as strict xfail (the parity fixture marks them).
 """
 import pytest
 
-from harness.matrix import cells, expect_divergence
+from harness.matrix import cells
 from parallel.thirdparty import HF_STYLES
 from reference.tp import OPS, SIZES
 
@@ -25,6 +25,5 @@ for op, styles in HF_STYLES.items():
 
 
 @pytest.mark.parametrize("cfg", CELLS, ids=str)
-def test_tp(cfg, parity, request):
-    expect_divergence(request, cfg)
+def test_tp(cfg, parity):
     parity(cfg)

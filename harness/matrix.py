@@ -27,23 +27,3 @@ def cells(component: str, *, impls: Iterable[str], meshes: Iterable[str], dtypes
         out.append(Config(component, impl, mesh(mesh_text), dtype, sizes, dict(zip(keys, values)), seed))
     return out
 
-
-def expect_divergence(request, cfg: Config) -> str | None:
-    """Mark ``cfg``'s test a strict xfail when its implementation declares it a known divergence.
-
-    Call it at the start of a case (``request`` is pytest's fixture). The cell still runs in full: a
-    divergence is then reported as xfailed with the declared reason, and a cell that matches (the
-    upstream behaviour was fixed) fails as XPASS(strict), saying which entry to remove. Returns the
-    reason, or None.
-    """
-    import pytest
-
-    from .registry import get
-
-    impl = get(cfg.component).implementations.get(cfg.impl)
-    reason = impl.xfail_reason(cfg) if impl is not None else None
-    if reason:
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason=f"known divergence of {cfg.impl}: {reason}. If this cell passes (XPASS), the "
-                                f"upstream behaviour changed: remove its entry from {impl.xfail}"))
-    return reason

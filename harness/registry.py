@@ -97,7 +97,7 @@ def register_implementation(component: str, name: str, run: str, skip: str | Non
     ``run`` and ``skip`` are ``"module:function"`` paths importable in this environment (the
     plugin checks them once, before any cell runs); ``omits`` names reference results the
     implementation cannot produce; ``xfail`` (``"module:function"``, cfg -> reason or None) declares
-    the cells it is known to get wrong (see :func:`harness.matrix.expect_divergence`).
+    the cells it is known to get wrong (the ``parity`` fixture runs them as strict xfail).
     """
     get(component).implementations[name] = Implementation(name, run, skip, tuple(omits), xfail)
     _REGISTERED.append((component, name))

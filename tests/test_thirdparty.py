@@ -82,15 +82,14 @@ def test_hf_runs_only_the_styles_it_names_for_an_op():
 
 CASES = """
 import pytest
-from harness.matrix import cells, expect_divergence
+from harness.matrix import cells
 from reference.tp import SIZES
 
 CELLS = cells("tp", impls=["buggy", "fixed"], meshes=["tp=2"], dtypes=["fp32"], sizes=SIZES,
               switches={"op": ["mlp"]})
 
 @pytest.mark.parametrize("cfg", CELLS, ids=str)
-def test_tp(cfg, parity, request):
-    expect_divergence(request, cfg)
+def test_tp(cfg, parity):
     parity(cfg)
 """
 
