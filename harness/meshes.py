@@ -218,18 +218,58 @@ class Meshes:
         return {"dense": self.dense.mesh, "sparse": self.sparse.mesh}
 
 
-def build(spec: MeshSpec, device_type: str = "cpu") -> Meshes:
+def build(spec: MeshSpec, device_type: str = "cpu", copies: int = 1) -> Meshes:
     """Build both meshes and the flattened groups of ``spec`` over ranks ``0..spec.world-1``.
 
-    Every rank of the default group must call it (each group is a ``new_group`` on every rank); ranks
-    at or beyond ``spec.world`` get meshes they are not part of.
+    Every rank of the default group must call it (each group is a ``new_group`` on every rank), and
+    every rank must lie in the meshes (torch cannot slice a mesh on a rank outside it). ``copies``:
+    lay ``copies`` side-by-side copies of the layout over ``copies * spec.world`` ranks (a leading
+    ``copy`` dim, left out of coordinates), so a smaller layout can be built on a larger world: copy
+    ``k`` holds ranks ``k*world ..``, its groups the model's shifted by ``k*world``.
     """
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
     spec.validate()
-    world = DeviceMesh(device_type, torch.arange(spec.world), mesh_dim_names=("world",))
-    dense = world._unflatten(0, tuple(getattr(spec, n) for n in DENSE), DENSE)
+    lead = ("copy",) if copies > 1 else ()
+    size = (copies,) if copies > 1 else ()
+    world = DeviceMesh(device_type, torch.arange(copies * spec.world), mesh_dim_names=("world",))
+    dense = world._unflatten(0, size + tuple(getattr(spec, n) for n in DENSE), lead + DENSE)
     flat = {name: dense[dims]._flatten(name) for name, dims in FLATTENED.items()}
-    sparse = world._unflatten(0, (spec.pp, spec.dp_replicate, spec.efsdp, spec.ep, spec.etp), SPARSE)
+    sparse = world._unflatten(0, size + (spec.pp, spec.dp_replicate, spec.efsdp, spec.ep, spec.etp), lead + SPARSE)
+    if copies > 1:  # the meshes of this rank's copy
+        dense, sparse = dense[DENSE], sparse[SPARSE]
     return Meshes(spec, world, dense, sparse, flat)
+
+
+# ---- pool task ----------------------------------------------------------------------------------
+def describe_layouts(ctx, payload: list[str]) -> dict:
+    """Pool task: build each layout of ``payload`` (spec ids, worlds dividing the pool's) and report
+    this rank's coordinates, named groups and, per group, the sum of ranks an all-reduce over it gives.
+
+    Run it on a mesh covering the whole pool: every pool rank takes part in creating every group; a
+    layout of a smaller world is built in ``pool/world`` copies side by side, every rank in one. The
+    groups are destroyed after each layout so a long matrix does not pile up gloo contexts.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    out = {}
+    for text in payload:
+        spec = MeshSpec.parse(text)
+        before = set(_world.pg_map)
+        meshes = build(spec, ctx.device.type, copies=ctx.layout.world // spec.world)
+        seen = meshes.describe()
+        if seen is not None:
+            sums = {}
+            for name in NAMES:
+                x = torch.tensor([float(ctx.rank)], device=ctx.device)
+                dist.all_reduce(x, group=meshes.group(name))
+                sums[name] = float(x)
+            seen["sums"] = sums
+        out[spec.id] = seen
+        del meshes
+        for pg in [pg for pg in _world.pg_map if pg not in before]:
+            dist.destroy_process_group(pg)
+    return out
