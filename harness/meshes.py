@@ -78,6 +78,19 @@ class MeshSpec:
         world = items.pop("world")
         return cls.of(int(world), **{k: int(v) for k, v in items.items()})
 
+    @classmethod
+    def from_mesh(cls, mesh, **sparse: int) -> "MeshSpec":
+        """The spec of a config's mesh (``(("dp_shard", 2), ("tp", 4))``: dims named as here, world their
+        product) and the sparse degrees ``ep``/``etp`` given apart."""
+        dims = dict(mesh)
+        unknown = sorted(set(dims) - set(DENSE))
+        if unknown:
+            raise ConfigError(
+                f"unknown mesh dim {', '.join(map(repr, unknown))} in {tuple(mesh)}: a layout's mesh names "
+                f"{', '.join(DENSE)}; rename it to one of them"
+            )
+        return cls.of(math.prod(dims.values()), **dims, **sparse)
+
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the broken rule and the fix."""
         for name in ("world", *DEGREES):
