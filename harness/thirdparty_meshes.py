@@ -7,9 +7,11 @@ ep = 1) and one for the experts (tp = etp, ep, dp = expert dp, pp; cp = 1) with 
 Megatron builds must equal it. :data:`MEGATRON_TO_OURS` says which of our named groups each Megatron
 group is when the order is Megatron's default, so Megatron is also held to :class:`MeshSpec`.
 
-torchtitan's ``ParallelDims`` (0.3.0) unflattens the world into pp, batch, cp, tp / pp,
-dp_replicate, fsdp, tp / pp, dp_replicate, efsdp, ep, etp: our dims in our order, so its groups are
-held to :class:`MeshSpec` directly.
+torchtitan's ``ParallelDims`` (0.3.0) unflattens the world into pp, batch, cp, tp (data loading),
+pp, dp_replicate, dp_shard, cp, tp or pp, dp_replicate, fsdp, tp (dense, by its ``spmd_backend``) and
+pp, dp_replicate, efsdp, ep (sparse: no etp, so ep borrows from dp_shard·cp·tp, our etp = 1), and
+flattens batch·cp into loss: our dims in our order, so its groups are held to :class:`MeshSpec`
+directly.
 
 The tasks here create every group on every pool rank (Megatron's ``new_group`` calls, torchtitan's
 meshes): run them on a mesh covering the whole pool.
@@ -20,7 +22,7 @@ from .layout import MeshLayout
 from .meshes import MeshSpec
 
 MEGATRON_INSTALL = 'pip install -e ".[thirdparty]"  (megatron-core==0.16.1)'
-TORCHTITAN_INSTALL = "pip install torchtitan==0.3.0"
+TORCHTITAN_INSTALL = "pip install --no-deps torchtitan==0.3.0 spmd-types==0.2.3 tyro  (its other dependencies are for training, not ParallelDims)"
 
 # Megatron group -> (getter in parallel_state, its keyword arguments, rank generator, dims it spans)
 MEGATRON_GROUPS = {
@@ -110,10 +112,15 @@ def megatron_groups(ctx, payload: list[dict]) -> list[dict]:
     return out
 
 
+# torchtitan's one-dimensional meshes, by its names; "dp" (spmd_types backend) is our batch
+TORCHTITAN_NAMES = ("pp", "batch", "loss", "dp_replicate", "fsdp", "dp", "dp_shard", "cp", "tp", "ep", "efsdp")
+TORCHTITAN_TO_OURS = {"dp": "batch"}
+
+
 def torchtitan_groups(ctx, payload: list[dict]) -> list[dict]:
     """Pool task: for each ``{"dp_replicate": .., "dp_shard": .., "cp": .., "tp": .., "pp": .., "ep": ..,
-    "etp": ..}`` build torchtitan's ``ParallelDims`` meshes over the whole pool and report this rank's
-    group of each name it defines."""
+    "spmd_backend": ..}`` build torchtitan's ``ParallelDims`` meshes over the whole pool and report this
+    rank's group of each one-dimensional mesh it defines (size-1 ones included)."""
     import torch.distributed as dist
     import torch.distributed.fsdp  # noqa: F401  torchtitan 0.3.0 needs it imported first
     from torch.distributed.distributed_c10d import _world
@@ -126,13 +133,12 @@ def torchtitan_groups(ctx, payload: list[dict]) -> list[dict]:
         dims = pd.ParallelDims(world_size=ctx.layout.world, **item)
         dims.build_mesh()
         groups = {}
-        for name in ("pp", "batch", "loss", "dp_replicate", "fsdp", "cp", "tp", "ep", "efsdp", "etp"):
+        for name in TORCHTITAN_NAMES:
             try:
-                mesh = dims.get_optional_mesh(name) if hasattr(dims, "get_optional_mesh") else dims.get_mesh(name)
-            except (KeyError, ValueError, RuntimeError):
-                mesh = None
-            if mesh is not None:
-                groups[name] = dist.get_process_group_ranks(mesh.get_group())
+                mesh = dims.get_optional_mesh(name, include_singleton_axes=True)
+            except ValueError:  # not a mesh of this backend
+                continue
+            groups[name] = dist.get_process_group_ranks(mesh.get_group())
         del dims
         for pg in [pg for pg in _world.pg_map if pg not in before]:
             dist.destroy_process_group(pg)
