@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from harness.meshes import MeshSpec
 
