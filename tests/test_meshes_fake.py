@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 
-
 from harness.meshes import MeshSpec
 
 from .conftest import ROOT
