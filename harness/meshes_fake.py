@@ -1,7 +1,8 @@
 """Mesh layouts at scale, in one process, on PyTorch's ``fake`` process-group backend.
 
 ``python -m harness.meshes_fake '<json>'`` checks each layout of ``{"specs": [...], "real_ranks": k,
-"every_rank_upto": 1024, "sample": s, "seed": n}`` and prints one JSON line per layout. For each
+"real_ranks_of": {spec: k}, "every_rank_upto": 1024, "sample": s, "seed": n}`` and prints one JSON
+line per layout. For each
 layout the process joins a fake world as one rank at a time (re-initialising the default group,
 which is process-global: hence a process of its own, not pytest's):
 
@@ -53,7 +54,7 @@ def check_layout(text: str, real_ranks: int, every_rank_upto: int, sample: int, 
         checked = list(range(world))
     else:
         checked = sorted({0, world - 1, *rng.sample(range(world), sample)})
-    real = [0, world - 1, *rng.sample(range(1, world - 1), max(0, real_ranks - 2))][:real_ranks]
+    real = [0, world - 1, *rng.sample(range(1, world - 1), min(world - 2, max(0, real_ranks - 2)))][:real_ranks]
     errors: list[str] = []
     start = time.perf_counter()
     builds = []
@@ -91,8 +92,8 @@ def check_layout(text: str, real_ranks: int, every_rank_upto: int, sample: int, 
 def main(argv: list[str]) -> None:
     job = json.loads(argv[0])
     for text in job["specs"]:
-        result = check_layout(text, job.get("real_ranks", 3), job.get("every_rank_upto", 1024),
-                              job.get("sample", 64), job.get("seed", 0))
+        real = job.get("real_ranks_of", {}).get(text, job.get("real_ranks", 3))
+        result = check_layout(text, real, job.get("every_rank_upto", 1024), job.get("sample", 64), job.get("seed", 0))
         print(json.dumps(result), flush=True)
 
 
