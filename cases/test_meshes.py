@@ -148,26 +148,36 @@ def megatron_pool():
         pytest.skip(f"megatron-core is not installed: {MEGATRON_INSTALL}")
     from harness.pool import Pool, default_preload
 
-    pool = Pool(size=8, preload=default_preload() + ("megatron.core.parallel_state",), deadline=120.0)
+    # generous limits: the import and ~30 new_group calls per config crawl on a loaded 2-core machine
+    pool = Pool(size=8, preload=default_preload() + ("megatron.core.parallel_state",), deadline=120.0,
+                start_timeout=600.0)
     yield pool
     pool.close()
 
 
 @pytest.fixture(scope="module")
 def megatron_seen(megatron_pool):
-    """Every rank's groups for every Megatron config, from one task."""
-    return megatron_pool.run("harness.thirdparty_meshes:megatron_groups", MEGATRON, (("world", 8),))
+    """Every rank's groups for a Megatron config (index into MEGATRON), one task per config, cached."""
+    cache = {}
+
+    def seen(i):
+        if i not in cache:
+            got = megatron_pool.run("harness.thirdparty_meshes:megatron_groups", [MEGATRON[i]], (("world", 8),))
+            cache[i] = {rank: results[0] for rank, results in got.items()}
+        return cache[i]
+
+    return seen
 
 
 @pytest.mark.parametrize("item", MEGATRON, ids=_label)
 def test_megatron_groups_match_the_model_of_its_order(item, megatron_seen):
-    i = MEGATRON.index(item)
-    seen = {rank: got[i]["groups"] for rank, got in megatron_seen.items()}
+    by_rank = megatron_seen(MEGATRON.index(item))
+    seen = {rank: got["groups"] for rank, got in by_rank.items()}
     want = megatron_model(8, item["order"], **_sizes(item))
     assert compare(8, seen, want) == {}
     # Megatron's own ordered lists: pp in stage order, tp/dp/cp in coordinate order
-    for rank, got in megatron_seen.items():
-        for name, ranks in got[i]["lists"].items():
+    for rank, got in by_rank.items():
+        for name, ranks in got["lists"].items():
             (mine,) = [g for g in want[name] if rank in g]
             assert ranks == mine, f"rank {rank}: Megatron's {name} list {ranks}, the model {mine}"
 
@@ -176,10 +186,10 @@ def test_megatron_groups_match_the_model_of_its_order(item, megatron_seen):
 def test_megatron_against_our_mesh_spec(item, megatron_seen):
     """Megatron's groups against our named groups (Megatron's dp is our dp_shard): with the default order
     they must agree; with another order they differ exactly where the two models say they do."""
-    i = MEGATRON.index(item)
+    by_rank = megatron_seen(MEGATRON.index(item))
     spec = megatron_as_spec(8, **_sizes(item))
     ours = {theirs: spec.groups(name) for theirs, name in MEGATRON_TO_OURS.items()}
-    seen = {rank: {n: got[i]["groups"][n] for n in MEGATRON_TO_OURS} for rank, got in megatron_seen.items()}
+    seen = {rank: {n: got["groups"][n] for n in MEGATRON_TO_OURS} for rank, got in by_rank.items()}
     differ = compare(8, seen, ours)
     predicted = compare(8, {r: {n: next(g for g in groups if r in g) for n, groups in
                                 megatron_model(8, item["order"], **_sizes(item)).items() if n in ours}
@@ -207,9 +217,11 @@ def torchtitan_seen():
     from harness.pool import Pool, default_preload
 
     pool = Pool(size=8, preload=default_preload() + ("torch.distributed.fsdp", "torchtitan.distributed.parallel_dims"),
-                deadline=120.0)
+                deadline=120.0, start_timeout=600.0)
     try:
-        yield pool.run("harness.thirdparty_meshes:torchtitan_groups", TORCHTITAN, (("world", 8),))
+        # one task per config: each gets the whole deadline on a loaded machine
+        per = [pool.run("harness.thirdparty_meshes:torchtitan_groups", [item], (("world", 8),)) for item in TORCHTITAN]
+        yield {rank: [p[rank][0] for p in per] for rank in per[0]}
     finally:
         pool.close()
 
