@@ -72,6 +72,34 @@ class MeshLayout:
             groups.append(group)
         return groups
 
+    def flat_groups(self, names: tuple[str, ...]) -> list[list[int]]:
+        """Ranks that vary only along the dims ``names`` together (one group per fixed setting of the
+        others), listed row-major over ``names`` in mesh order: what ``DeviceMesh[names]._flatten()`` gives."""
+        for name in names:
+            if name not in self.names:
+                raise ValueError(f"{name!r} is not a dim of the mesh {self.dims}")
+        axes = sorted(self.names.index(n) for n in names)
+        others = [i for i in range(len(self.shape)) if i not in axes]
+        groups = []
+        for fixed in itertools.product(*(range(self.shape[i]) for i in others)):
+            group = []
+            for inner in itertools.product(*(range(self.shape[i]) for i in axes)):
+                coords = [0] * len(self.shape)
+                for i, c in zip(others, fixed):
+                    coords[i] = c
+                for i, c in zip(axes, inner):
+                    coords[i] = c
+                group.append(self.rank_of(tuple(coords)))
+            groups.append(group)
+        return groups
+
+    @classmethod
+    def from_order(cls, order: str, degrees: dict[str, int]) -> "MeshLayout":
+        """The layout a fastest-first order string describes (Megatron-Core's ``"tp-cp-ep-dp-pp"``:
+        ``tp`` varies fastest over consecutive ranks), as a row-major layout, slowest dim first."""
+        names = tuple(reversed(order.split("-")))
+        return cls(names, tuple(int(degrees.get(n, 1)) for n in names))
+
 
 @dataclass(frozen=True)
 class Shard:

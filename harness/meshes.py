@@ -1,0 +1,288 @@
+"""Dense and sparse device meshes from one world, and the named groups a trainer uses.
+
+A trainer runs attention and dense layers on a *dense* mesh and experts on a *sparse* one, both over
+the same ranks; data loading, loss reduction and FSDP sharding use groups flattened from several dims.
+Hand-written rank maps for these are a classic source of silent bugs, so here they come from one
+world mesh cut by ``DeviceMesh._unflatten`` and merged by ``DeviceMesh._flatten`` (the torchtitan
+way), and :class:`MeshSpec` is the pure-Python model of the same layouts that the checks hold the
+real groups to (``cases/test_meshes.py`` with real ranks, ``tests/test_meshes_fake.py`` at scale).
+
+Dims, slowest-varying first (row-major over ranks, as ``DeviceMesh`` lays them out):
+
+* dense:  ``pp, dp_replicate, dp_shard, cp, tp``
+* sparse: ``pp, dp_replicate, efsdp, ep, etp``; the expert block ``efsdp·ep·etp`` is the dense
+  ``dp_shard·cp·tp`` block cut differently. ``etp`` is ``tp`` (experts reuse the dense tp ranks; ep
+  borrows from ``dp_shard·cp``) or 1 (ep borrows from ``dp_shard·cp·tp``); ``efsdp`` is what is left.
+* flattened (dense): ``batch = dp_replicate·dp_shard`` (ranks that read different data),
+  ``loss = batch·cp`` (ranks a token-mean loss is reduced over), ``fsdp = dp_shard·cp`` (ranks that
+  shard parameters).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, fields
+
+from .config import ConfigError
+from .layout import MeshLayout
+
+DENSE = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+SPARSE = ("pp", "dp_replicate", "efsdp", "ep", "etp")
+FLATTENED = {
+    "batch": ("dp_replicate", "dp_shard"),
+    "loss": ("dp_replicate", "dp_shard", "cp"),
+    "fsdp": ("dp_shard", "cp"),
+}
+# every named group, in the order they are reported; pp and dp_replicate are dims of both meshes
+NAMES = DENSE + tuple(FLATTENED) + ("efsdp", "ep", "etp")
+# the degrees a user sets; efsdp is derived
+DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp")
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """One world's degrees; the pure-Python model of every named group built from them.
+
+    Build one with :meth:`of` (or :meth:`parse`), which checks the rules; the direct constructor
+    does not.
+    """
+
+    world: int
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    etp: int = 1
+
+    @classmethod
+    def of(cls, world: int, **degrees: int) -> "MeshSpec":
+        """The spec for ``world`` ranks and ``degrees`` (by name; absent ones are 1), validated."""
+        unknown = sorted(set(degrees) - set(DEGREES))
+        if unknown:
+            raise ConfigError(
+                f"unknown mesh dim {', '.join(map(repr, unknown))}: the degrees are {', '.join(DEGREES)} "
+                "(efsdp is derived: dp_shard·cp·tp / (ep·etp)); rename it to one of them"
+            )
+        spec = cls(int(world), **{k: int(v) for k, v in degrees.items()})
+        spec.validate()
+        return spec
+
+    @classmethod
+    def parse(cls, text: str) -> "MeshSpec":
+        """``"world=8,dp_shard=2,tp=2,ep=2"``: the form test ids and notes use."""
+        items = dict(part.split("=", 1) for part in text.split(",") if part)
+        if "world" not in items:
+            raise ConfigError(f"mesh spec {text!r} has no world=N: start it with the world size, e.g. world=8,tp=2")
+        world = items.pop("world")
+        return cls.of(int(world), **{k: int(v) for k, v in items.items()})
+
+    @classmethod
+    def from_mesh(cls, mesh, **sparse: int) -> "MeshSpec":
+        """The spec of a config's mesh (``(("dp_shard", 2), ("tp", 4))``: dims named as here, world their
+        product) and the sparse degrees ``ep``/``etp`` given apart."""
+        dims = dict(mesh)
+        unknown = sorted(set(dims) - set(DENSE))
+        if unknown:
+            raise ConfigError(
+                f"unknown mesh dim {', '.join(map(repr, unknown))} in {tuple(mesh)}: a layout's mesh names "
+                f"{', '.join(DENSE)}; rename it to one of them"
+            )
+        return cls.of(math.prod(dims.values()), **dims, **sparse)
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the broken rule and the fix."""
+        for name in ("world", *DEGREES):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be at least 1: a degree of 1 turns the dim off")
+        dense = math.prod(getattr(self, n) for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+        if dense != self.world:
+            shown = "·".join(str(getattr(self, n)) for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+            raise ConfigError(
+                f"degrees pp·dp_replicate·dp_shard·cp·tp = {shown} = {dense} do not multiply to the world "
+                f"of {self.world} ranks: change a degree (dp_shard usually) so that the product is {self.world}"
+            )
+        if self.etp not in (1, self.tp):
+            raise ConfigError(
+                f"etp={self.etp} must be 1 or tp={self.tp}: experts either reuse the dense tp ranks (etp=tp) "
+                "or are not tensor-parallel (etp=1)"
+            )
+        lender, size = self.lender()
+        if size % self.ep:
+            raise ConfigError(
+                f"ep={self.ep} does not divide {'·'.join(lender)} = {size}, the dims it borrows from "
+                f"when etp={self.etp}: choose an ep that divides {size}"
+                + (", or etp=1 to borrow tp as well" if self.etp > 1 else "")
+            )
+
+    def lender(self) -> tuple[tuple[str, ...], int]:
+        """The dense dims ep borrows its ranks from, and their product."""
+        dims = ("dp_shard", "cp") if self.etp == self.tp else ("dp_shard", "cp", "tp")
+        return dims, math.prod(getattr(self, d) for d in dims)
+
+    @property
+    def efsdp(self) -> int:
+        return self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
+
+    @property
+    def id(self) -> str:
+        """``world=8,dp_shard=2,tp=2,ep=2``: the degrees that differ from 1."""
+        parts = [f"world={self.world}"] + [f"{n}={getattr(self, n)}" for n in DEGREES if getattr(self, n) != 1]
+        return ",".join(parts)
+
+    def degrees(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "world"}
+
+    # ---- the model ----------------------------------------------------------------------------
+    def dense(self) -> MeshLayout:
+        return MeshLayout(DENSE, tuple(getattr(self, n) for n in DENSE))
+
+    def sparse(self) -> MeshLayout:
+        return MeshLayout(SPARSE, (self.pp, self.dp_replicate, self.efsdp, self.ep, self.etp))
+
+    def groups(self, name: str) -> list[list[int]]:
+        """Every group of the named group ``name``, as lists of global ranks."""
+        return [list(g) for g in _model_groups(self, name)[0]]
+
+    def group_of(self, rank: int, name: str) -> list[int]:
+        """The ranks of ``rank``'s group ``name``."""
+        groups, index = _model_groups(self, name)
+        return list(groups[index[rank]])
+
+    def coords(self, rank: int) -> dict[str, tuple[int, ...]]:
+        """``rank``'s coordinates on the dense and the sparse mesh."""
+        return {"dense": self.dense().coords(rank), "sparse": self.sparse().coords(rank)}
+
+
+@functools.lru_cache(maxsize=64)
+def _model_groups(spec: MeshSpec, name: str) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """The model's groups of ``name`` and, per rank, which of them holds it (cached: the checks ask
+    for every rank of 1024-rank layouts)."""
+    if name in DENSE:
+        groups = spec.dense().groups(name)
+    elif name in FLATTENED:
+        groups = spec.dense().flat_groups(FLATTENED[name])
+    elif name in SPARSE:
+        groups = spec.sparse().groups(name)
+    else:
+        raise ConfigError(f"unknown group name {name!r}: the named groups are {', '.join(NAMES)}")
+    index = [0] * spec.world
+    for i, group in enumerate(groups):
+        for rank in group:
+            index[rank] = i
+    return tuple(map(tuple, groups)), tuple(index)
+
+
+# ---- the real meshes ------------------------------------------------------------------------------
+@dataclass
+class Meshes:
+    """The real meshes of one :class:`MeshSpec` on this rank."""
+
+    spec: MeshSpec
+    world: "object"  # the 1-D root mesh both are cut from
+    dense: "object"
+    sparse: "object"
+    flat: dict
+
+    def mesh(self, name: str):
+        """The 1-D mesh of the named group ``name`` (pp and dp_replicate from the dense mesh)."""
+        if name in FLATTENED:
+            return self.flat[name]
+        if name in DENSE:
+            return self.dense[name]
+        if name in SPARSE:
+            return self.sparse[name]
+        raise ConfigError(f"unknown group name {name!r}: the named groups are {', '.join(NAMES)}")
+
+    def group(self, name: str):
+        """This rank's process group for the named group ``name``."""
+        return self.mesh(name).get_group()
+
+    def describe(self) -> dict | None:
+        """This rank's coordinates and the ranks of each of its named groups, as torch sees them
+        (None on a rank outside the world)."""
+        import torch.distributed as dist
+
+        if self.dense.get_coordinate() is None:
+            return None
+        groups = {name: dist.get_process_group_ranks(self.group(name)) for name in NAMES}
+        # the sparse mesh's own pp/dp_replicate groups, to check they are the dense ones
+        groups.update({f"sparse.{n}": dist.get_process_group_ranks(self.sparse.get_group(n))
+                       for n in ("pp", "dp_replicate")})
+        return {"dense": tuple(self.dense.get_coordinate()), "sparse": tuple(self.sparse.get_coordinate()),
+                "groups": groups}
+
+    def all_groups(self) -> dict[str, list[list[int]]]:
+        """Every group of every named group, as the real meshes enumerate them (the same lists on every
+        rank: ``DeviceMesh`` creates them all and keeps the one holding this rank)."""
+        from torch.distributed._mesh_layout import _MeshLayout
+
+        out = {}
+        for name in NAMES:
+            mesh = self.mesh(name)
+            # what DeviceMesh._get_all_submeshes and the group creation enumerate, without building a
+            # DeviceMesh per group (which costs a second per 1024-rank layout)
+            out[name] = _MeshLayout([mesh._layout[0]]).remap_to_tensor(mesh._get_root_mesh()._rank_map).tolist()
+        return out
+
+    def full_coords(self) -> dict[str, "object"]:
+        """The dense and sparse meshes' full rank tensors (rank -> coordinates for every rank)."""
+        return {"dense": self.dense.mesh, "sparse": self.sparse.mesh}
+
+
+def build(spec: MeshSpec, device_type: str = "cpu", copies: int = 1) -> Meshes:
+    """Build both meshes and the flattened groups of ``spec`` over ranks ``0..spec.world-1``.
+
+    Every rank of the default group must call it (each group is a ``new_group`` on every rank), and
+    every rank must lie in the meshes (torch cannot slice a mesh on a rank outside it). ``copies``:
+    lay ``copies`` side-by-side copies of the layout over ``copies * spec.world`` ranks (a leading
+    ``copy`` dim, left out of coordinates), so a smaller layout can be built on a larger world: copy
+    ``k`` holds ranks ``k*world ..``, its groups the model's shifted by ``k*world``.
+    """
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    spec.validate()
+    lead = ("copy",) if copies > 1 else ()
+    size = (copies,) if copies > 1 else ()
+    world = DeviceMesh(device_type, torch.arange(copies * spec.world), mesh_dim_names=("world",))
+    dense = world._unflatten(0, size + tuple(getattr(spec, n) for n in DENSE), lead + DENSE)
+    flat = {name: dense[dims]._flatten(name) for name, dims in FLATTENED.items()}
+    sparse = world._unflatten(0, size + (spec.pp, spec.dp_replicate, spec.efsdp, spec.ep, spec.etp), lead + SPARSE)
+    if copies > 1:  # the meshes of this rank's copy
+        dense, sparse = dense[DENSE], sparse[SPARSE]
+    return Meshes(spec, world, dense, sparse, flat)
+
+
+# ---- pool task ----------------------------------------------------------------------------------
+def describe_layouts(ctx, payload: list[str]) -> dict:
+    """Pool task: build each layout of ``payload`` (spec ids, worlds dividing the pool's) and report
+    this rank's coordinates, named groups and, per group, the sum of ranks an all-reduce over it gives.
+
+    Run it on a mesh covering the whole pool: every pool rank takes part in creating every group; a
+    layout of a smaller world is built in ``pool/world`` copies side by side, every rank in one. The
+    groups are destroyed after each layout so a long matrix does not pile up gloo contexts.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    out = {}
+    for text in payload:
+        spec = MeshSpec.parse(text)
+        before = set(_world.pg_map)
+        meshes = build(spec, ctx.device.type, copies=ctx.layout.world // spec.world)
+        seen = meshes.describe()
+        if seen is not None:
+            sums = {}
+            for name in NAMES:
+                x = torch.tensor([float(ctx.rank)], device=ctx.device)
+                dist.all_reduce(x, group=meshes.group(name))
+                sums[name] = float(x)
+            seen["sums"] = sums
+        out[spec.id] = seen
+        del meshes
+        for pg in [pg for pg in _world.pg_map if pg not in before]:
+            dist.destroy_process_group(pg)
+    return out
