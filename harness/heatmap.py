@@ -55,6 +55,13 @@ class Grid:
         return " ".join([dtype] + [f"{k}_{v}" if v in BARE or v.isdigit() else v for k, v in switches])
 
 
+def _short(ratio: float) -> str:
+    """err/tol in at most 4 characters: 4.2, 72, 6e5."""
+    if ratio < 100:
+        return f"{ratio:.2g}"
+    return f"{ratio:.0e}".replace("e+0", "e").replace("e+", "e")
+
+
 def _mesh_key(mesh: str) -> tuple:
     world = math.prod(int("".join(ch for ch in part if ch.isdigit()) or 1) for part in mesh.split("."))
     return world, mesh
@@ -88,8 +95,8 @@ def render(g: Grid, path, dpi: int = 100) -> dict[tuple[str, str, int], tuple[fl
     width = max(6.0, 1.6 + 0.36 * ncols)
     panel_h = 0.5 + 0.3 * nrows
     label_h = 0.3 + 0.042 * max(len(g.column_label(i)) for i in range(ncols))  # 60° rotated 7.5 pt text
-    fig = plt.figure(figsize=(width, 1.1 + panel_h * len(g.impls) + label_h), dpi=dpi)
-    top, bottom = 1 - 0.8 / fig.get_figheight(), (label_h + 0.15) / fig.get_figheight()
+    fig = plt.figure(figsize=(width, 1.3 + panel_h * len(g.impls) + label_h), dpi=dpi)
+    top, bottom = 1 - 1.0 / fig.get_figheight(), (label_h + 0.15) / fig.get_figheight()
     step = (top - bottom) / len(g.impls)
     left, right = 1.1 / width, 1 - 1.3 / width
     norm = LogNorm(LOW, HIGH)
@@ -120,12 +127,15 @@ def render(g: Grid, path, dpi: int = 100) -> dict[tuple[str, str, int], tuple[fl
             if status == "failed":
                 ax.add_patch(Rectangle((col - 0.5, row - 0.5), 1, 1, facecolor=FAIL, edgecolor="black", lw=1.2))
                 ratio = g.ratio.get((i, mesh, col), math.inf)
-                text = "✗" if not math.isfinite(ratio) or ratio == 0 else f"✗\n{ratio:.0e}".replace("e+0", "e")
+                text = "✗" if not math.isfinite(ratio) or ratio == 0 else f"✗\n{_short(ratio)}"
                 ax.text(col, row, text, ha="center", va="center", color="white", fontsize=7, fontweight="bold",
                         linespacing=0.9)
             elif status == "skipped":
                 ax.add_patch(Rectangle((col - 0.5, row - 0.5), 1, 1, facecolor=SKIP, edgecolor="white",
                                        hatch="///", lw=0))
+        for col in range(1, ncols):  # a heavier line where the dtype changes: the columns' first grouping
+            if g.columns[col][0] != g.columns[col - 1][0]:
+                ax.axvline(col - 0.5, color="#333333", lw=2)
         ax.set_yticks(range(nrows), g.meshes, fontsize=8)
         ax.set_xticks(range(ncols), [g.column_label(c) for c in range(ncols)] if p == len(g.impls) - 1 else [],
                       rotation=60, ha="right", rotation_mode="anchor", fontsize=7.5)
