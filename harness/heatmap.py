@@ -41,6 +41,7 @@ class Grid:
     status: dict[tuple[str, str, int], str] = field(default_factory=dict)  # failed / passed / skipped
     cells: dict[tuple[str, str, int], list[str]] = field(default_factory=dict)  # which cells fold there
     counts: Counter = field(default_factory=Counter)  # cells by status
+    kinds: dict[tuple[str, str, int], str] = field(default_factory=dict)  # how a red square failed
 
     def failed(self) -> list[tuple[str, str, int]]:
         return sorted(k for k, s in self.status.items() if s == "failed")
@@ -83,6 +84,8 @@ def grid(component: str, records: list[dict]) -> Grid:
         previous = out.status.get(key)
         if previous is None or rank[status] > rank[previous]:  # a square is as bad as its worst cell
             out.status[key] = status
+        if status == "failed":
+            out.kinds.setdefault(key, r.get("kind") or "error")
         if status != "skipped":
             out.ratio[key] = max(out.ratio.get(key, 0.0), float(r.get("ratio") or 0.0))
     return out
@@ -93,7 +96,7 @@ def render(g: Grid, path, dpi: int = 100) -> dict[tuple[str, str, int], tuple[fl
     the top left), so a test can look at the colour the reader sees there."""
     ncols, nrows = len(g.columns), len(g.meshes)
     width = max(6.0, 1.6 + 0.36 * ncols)
-    panel_h = 0.5 + 0.3 * nrows
+    panel_h = max(0.5 + 0.3 * nrows, 1.8 / len(g.impls))  # room for the legend above the colour bar
     label_h = 0.3 + 0.042 * max(len(g.column_label(i)) for i in range(ncols))  # 60° rotated 7.5 pt text
     fig = plt.figure(figsize=(width, 1.3 + panel_h * len(g.impls) + label_h), dpi=dpi)
     top, bottom = 1 - 1.0 / fig.get_figheight(), (label_h + 0.15) / fig.get_figheight()
@@ -127,7 +130,9 @@ def render(g: Grid, path, dpi: int = 100) -> dict[tuple[str, str, int], tuple[fl
             if status == "failed":
                 ax.add_patch(Rectangle((col - 0.5, row - 0.5), 1, 1, facecolor=FAIL, edgecolor="black", lw=1.2))
                 ratio = g.ratio.get((i, mesh, col), math.inf)
-                text = "✗" if not math.isfinite(ratio) or ratio == 0 else f"✗\n{_short(ratio)}"
+                # a crash or hang has no err/tol: the square says which it was
+                text = f"✗\n{g.kinds.get((i, mesh, col), '')[:5]}" if not math.isfinite(ratio) or ratio == 0 \
+                    else f"✗\n{_short(ratio)}"
                 ax.text(col, row, text, ha="center", va="center", color="white", fontsize=7, fontweight="bold",
                         linespacing=0.9)
             elif status == "skipped":
@@ -154,7 +159,8 @@ def render(g: Grid, path, dpi: int = 100) -> dict[tuple[str, str, int], tuple[fl
     if g.switch_keys:
         fig.text(0.02, 0.15 / fig.get_figheight(), f"columns: dtype, then {', '.join(g.switch_keys)}",
                  fontsize=8, color="#444444")
-    cax = fig.add_axes((right + 0.25 / width, bottom + 0.1 * (top - bottom), 0.18 / width, 0.55 * (top - bottom)))
+    figh = fig.get_figheight()
+    cax = fig.add_axes((right + 0.25 / width, bottom + 0.1 / figh, 0.18 / width, top - bottom - 0.85 / figh))
     bar = fig.colorbar(image, cax=cax)
     bar.set_label("err/tol (passed)", fontsize=8)
     bar.ax.tick_params(labelsize=7)
