@@ -7,8 +7,8 @@ speedup is a ratio against the baseline run right here):
 * first case: the TP MLP cell as the first case on each of those fresh pools (what the first cell
   of every pytest worker, and the cell after a hang, costs), beside the warm figure;
 * empty case round trip at world 2, 4 and 8;
-* the TP MLP cell at tp=4 and a ring-attention cell at cp=4 (fp32): run, assemble, compare with the
-  cached reference;
+* one representative cell per component (``CELLS``: the TP MLP cell at tp=4, ring attention at
+  cp=4, MoE at ep=4, ...): run, assemble, compare with the cached reference;
 * spawn-per-test, the baseline: the same cell in freshly spawned processes with a fresh process
   group, as PyTorch's MultiProcessTestCase runs each test.
 
@@ -34,8 +34,14 @@ from .pool import Pool
 from .registry import validate
 
 TP_MLP = Config("tp", "ours", {"tp": 4}, "fp32", dict(b=4, s=8, h=16, f=32, v=40), {"op": "mlp"})
-RING_CP4 = Config("ringattn", "ours", {"cp": 4}, "fp32", dict(b=2, s=48, h=16, q=4, d=4),
-                  {"mask": "causal", "layout": "zigzag", "gqa": "on"})
+# One representative cell per component, timed warm (run, assemble, compare with the cached reference).
+CELLS = {
+    "tp_mlp_tp4": TP_MLP,
+    "ring_cp4": Config("ringattn", "ours", {"cp": 4}, "fp32", dict(b=2, s=48, h=16, q=4, d=4),
+                       {"mask": "causal", "layout": "zigzag", "gqa": "on"}),
+    "moe_ep4": Config("moe", "ours", {"ep": 4}, "fp32", dict(t=24, h=8, f=16, e=8, k=2),
+                      {"emesh": "dense", "cap": "125", "score": "softmax", "norm": "on", "route": "rand"}),
+}
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -106,23 +112,24 @@ def main(argv=None) -> dict:
         pool.run("harness.tasks:noop", None, mesh)  # creates and caches the mesh's groups
         empty[str(world)] = _median_ms(lambda: pool.run("harness.tasks:noop", None, mesh), args.repeats)
     cell_repeats = max(20, args.repeats // 10)
-    run_cell(TP_MLP, pool)  # warm: reference computed, groups cached, modules imported
-    tp_ms = _median_ms(lambda: run_cell(TP_MLP, pool), cell_repeats)
-    run_cell(RING_CP4, pool)
-    ring_ms = _median_ms(lambda: run_cell(RING_CP4, pool), cell_repeats)
+    cell_ms = {}
+    for name, cfg in CELLS.items():
+        run_cell(cfg, pool)  # warm: reference computed, groups cached, modules imported
+        cell_ms[name] = _median_ms(lambda: run_cell(cfg, pool), cell_repeats)
     pool.close()
+    tp_ms = cell_ms["tp_mlp_tp4"]
     spawn = [_median_ms(lambda: spawn_per_test(TP_MLP), 1) / 1e3 for _ in range(args.starts)]
     figures = {
         "pool_start_s": round(statistics.median(starts), 3),
         "first_case_ms": round(statistics.median(firsts), 2),
         "empty_case_ms": {k: round(v, 3) for k, v in empty.items()},
-        "tp_mlp_case_ms": round(tp_ms, 2),
-        "ring_cp4_case_ms": round(ring_ms, 2),
+        "cell_ms": {name: round(ms, 2) for name, ms in cell_ms.items()},
         "spawn_per_test_s": round(statistics.median(spawn), 3),
         "speedup_vs_spawn": round(statistics.median(spawn) * 1e3 / tp_ms, 1),
         "repeats": args.repeats,
         "cpus": os.cpu_count(),
     }
+
     def say(line: str) -> None:
         print(line, file=sys.stderr)
 
@@ -130,8 +137,8 @@ def main(argv=None) -> dict:
     say(f"first TP cell, fresh pool {figures['first_case_ms']:8.2f} ms  median of {args.starts} (warm: below)")
     for world, ms in figures["empty_case_ms"].items():
         say(f"empty case, world {world}       {ms:8.2f} ms  median of {args.repeats}")
-    say(f"TP MLP cell, tp=4         {tp_ms:8.2f} ms  run + assemble + compare, median of {cell_repeats}")
-    say(f"ring attention cell, cp=4 {ring_ms:8.2f} ms  causal zigzag GQA s=48, median of {cell_repeats}")
+    for name, ms in cell_ms.items():
+        say(f"cell {name:<20} {ms:8.2f} ms  run + assemble + compare, median of {cell_repeats}: {CELLS[name].id}")
     say(f"spawn-per-test, same cell {figures['spawn_per_test_s']:8.2f} s   median of {args.starts}")
     say(f"speedup per case          {figures['speedup_vs_spawn']:8.1f} x")
     if args.json:

@@ -70,6 +70,18 @@ def parity(cfg: Config, component: Component, assembled: dict) -> tuple[Toleranc
     return tol, compare(assembled, expected, tol)
 
 
+def execute(cfg: Config, pool: Pool) -> CellOutcome:
+    """Run the cell in the pool and compare it with the reference, without judging: the outcome
+    holds the parity report and the logical result whether or not they match."""
+    component = validate(cfg, pool.size)
+    run = component.implementations[cfg.impl].run
+    pieces = pool.run(run, cfg, cfg.mesh, seed=cfg.seed, label=cfg.id, extra_meshes=component.extra_meshes(cfg))
+    assembled = assemble_result(cfg, pieces)
+    outcome = CellOutcome(cfg, *parity(cfg, component, assembled))
+    outcome.result = {name: a.tensor for name, a in assembled.items()}
+    return outcome
+
+
 def run_cell(cfg: Config, pool: Pool, *, golden_dir: Path | None = None, update_golden: bool = False,
              missing_golden: str = "write", rerun: str = "") -> CellOutcome:
     """Parity with the reference first (the gate), then the golden file (drift over time).
@@ -79,12 +91,7 @@ def run_cell(cfg: Config, pool: Pool, *, golden_dir: Path | None = None, update_
     ``rerun``: the command that reruns this cell, quoted in failure messages.
     """
     start = time.perf_counter()
-    component = validate(cfg, pool.size)
-    run = component.implementations[cfg.impl].run
-    pieces = pool.run(run, cfg, cfg.mesh, seed=cfg.seed, label=cfg.id, extra_meshes=component.extra_meshes(cfg))
-    assembled = assemble_result(cfg, pieces)
-    outcome = CellOutcome(cfg, *parity(cfg, component, assembled))
-    outcome.result = {name: a.tensor for name, a in assembled.items()}
+    outcome = execute(cfg, pool)
     reproduce = f"reproduce: {rerun}" if rerun else f"config: {cfg.id}"
     if not outcome.parity.ok:
         raise Divergence(f"{cfg.id} diverges from the reference ({outcome.tol}):\n{outcome.parity.table()}\n{reproduce}",

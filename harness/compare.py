@@ -28,6 +28,10 @@ class Row:
     tol: float = 0.0
     ratio: float = 0.0  # abs_err / tol at the worst element; > 1 fails
     norm_ratio: float = 1.0
+    # how far actual is from its best fit c * expected (|actual - c expected| / |actual|): near 0
+    # when the tensor is the reference scaled, as a gradient divided by the wrong group size is
+    fit_residual: float = math.nan
+    numel: int = 0
     bad: str = ""  # "k/n" elements over tolerance
     ranks: str = ""  # ranks whose local shards hold bad elements
 
@@ -123,6 +127,11 @@ def _compare_one(name: str, got: Assembled, want: torch.Tensor, tol: Tolerance, 
         idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), a.shape)) if a.dim() else ()
         norm_b = float(b64.norm())
         norm_ratio = float(a64.norm()) / norm_b if norm_b else (1.0 if float(a64.norm()) == 0 else math.inf)
+        fit_residual = math.nan
+        if norm_b and torch.isfinite(a64).all():
+            c = float((a64 * b64).sum()) / norm_b**2
+            norm_a = float(a64.norm())
+            fit_residual = float((a64 - c * b64).norm()) / norm_a if norm_a else 0.0
         bad_ranks = [
             r for r, index in sorted(got.index.items()) if bad[grid(index)].any()
         ] if bad.any() else []
@@ -139,6 +148,8 @@ def _compare_one(name: str, got: Assembled, want: torch.Tensor, tol: Tolerance, 
                 tol=float(allowed.flatten()[worst]),
                 ratio=float(ratio.flatten()[worst]),
                 norm_ratio=norm_ratio,
+                fit_residual=fit_residual,
+                numel=a.numel(),
                 bad=f"{int(bad.sum())}/{a.numel()}",
                 ranks=",".join(map(str, bad_ranks)),
             )

@@ -17,9 +17,21 @@ register_component(Component(
     reference="reference.ring_attention:reference",
     validate="parallel.ring_attention:validate",
     reduction="reference.ring_attention:reduction_size",
+    simplest={"mask": ("full", "causal"), "layout": ("contig", "zigzag"), "gqa": ("off", "on")},
     implementations={
         "ours": Implementation("ours", "parallel.ring_attention:run"),
         "torch": Implementation("torch", "parallel.ring_attention_torch:run",
                                 skip="parallel.ring_attention_torch:skip_reason", omits=("lse",)),
+    },
+))
+
+register_component(Component(
+    name="moe",
+    reference="reference.moe:reference",
+    validate="parallel.moe:validate",
+    reduction="reference.moe:reduction_size",
+    meshes="parallel.moe:meshes",
+    implementations={
+        "ours": Implementation("ours", "parallel.moe:run"),
     },
 ))

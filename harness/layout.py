@@ -80,11 +80,15 @@ class Shard:
     ``packs``: the dim is ``packs`` equal blocks (packed gate/up weights); each block is chunked and
     a rank holds its chunk of every block, concatenated. ``zigzag``: the dim is cut in ``2n`` chunks
     and coordinate ``c`` holds chunks ``c`` and ``2n-1-c`` (load-balanced causal attention).
+    ``inner``: the mesh dim is read as (outer x inner), row-major, and only its inner factor splits
+    the tensor: coordinate ``c`` holds chunk ``c % inner`` of ``inner``, replicated over ``c // inner``
+    (a sparse dim borrowed from a dense one, e.g. experts over ep=2 inside dp=4 in dp2ep).
     """
 
     dim: int
     packs: int = 1
     zigzag: bool = False
+    inner: int = 0
 
 
 def chunk_bounds(size: int, n: int, i: int) -> tuple[int, int]:
@@ -95,6 +99,10 @@ def chunk_bounds(size: int, n: int, i: int) -> tuple[int, int]:
 
 def shard_indices(index: torch.Tensor, shard: Shard, n: int, c: int) -> torch.Tensor:
     """The entries of a 1-D index vector that coordinate ``c`` of ``n`` holds under ``shard``."""
+    if shard.inner:
+        if n % shard.inner:
+            raise ValueError(f"inner factor {shard.inner} does not divide a mesh dim of {n}")
+        n, c = shard.inner, c % shard.inner
     if shard.zigzag:
         parts = [index[slice(*chunk_bounds(len(index), 2 * n, k))] for k in (c, 2 * n - 1 - c)]
         return torch.cat(parts)

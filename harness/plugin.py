@@ -36,6 +36,9 @@ def pytest_addoption(parser):
     group.addoption("--case-deadline", type=float, default=DEFAULT_DEADLINE,
                     help=f"seconds a cell may run before its ranks' stacks are taken and it fails (default {DEFAULT_DEADLINE:g})")
     group.addoption("--golden-dir", default=None, help="where golden files live (default: <rootdir>/golden)")
+    group.addoption("--quick", action="store_true",
+                    help="the edit loop: of each component and implementation, only the cells on its smallest "
+                         "mesh of more than one rank (every dtype and switch); the full matrix stays the gate")
 
 
 def _usage(option: str, value, why: str) -> pytest.UsageError:
@@ -72,6 +75,29 @@ def _cell_config(item) -> Config | None:
     callspec = getattr(item, "callspec", None)
     cfg = callspec.params.get("cfg") if callspec else None
     return cfg if isinstance(cfg, Config) else None
+
+
+def quick_selection(cfgs: list[Config]) -> set[Config]:
+    """Per (component, implementation): the cells on the smallest mesh world above one (or the
+    only world there is). Small, yet every component, implementation, dtype and switch is there."""
+    worlds: dict[tuple[str, str], set[int]] = defaultdict(set)
+    for cfg in cfgs:
+        worlds[cfg.component, cfg.impl].add(cfg.world)
+    keep = {key: min([w for w in ws if w > 1] or ws) for key, ws in worlds.items()}
+    return {cfg for cfg in cfgs if cfg.world == keep[cfg.component, cfg.impl]}
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--quick"):
+        return
+    keep = quick_selection([cfg for cfg in map(_cell_config, items) if cfg is not None])
+    selected, deselected = [], []
+    for item in items:
+        cfg = _cell_config(item)
+        (selected if cfg is None or cfg in keep else deselected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
 
 
 def _needed_ranks(items, most: int) -> int:

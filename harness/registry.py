@@ -51,6 +51,9 @@ class Component:
     # "module:function", cfg -> further meshes (tuples of (name, degree)) the cell uses besides
     # cfg.mesh, e.g. the sparse expert mesh or the layout a checkpoint is loaded under
     meshes: str | None = None
+    # For bisect: each switch's values, simplest first (a switch not named here is never changed).
+    # Sizes are halved and mesh degrees lowered while the component's rules accept the config.
+    simplest: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def check(self, cfg: Config) -> None:
         if cfg.impl not in self.implementations:

@@ -4,6 +4,8 @@
     identity          <-> all-reduce       copy_to_group / reduce_from_group
     split (own chunk) <-> all-gather       split_to_group / gather_from_group
     all-gather        <-> reduce-scatter   all_gather_dim / reduce_scatter_dim
+    all-to-all        <-> reverse all-to-all  all_to_all_rows (the raw exchange; MoE's dispatch and
+                                              combine in parallel/moe.py are its autograd pair)
 
 Chunks follow ``torch.chunk`` (harness.layout.chunk_bounds): uneven sizes are padded to the largest
 chunk for the wire, because gloo's all-gather and reduce-scatter need equal sizes.
@@ -168,6 +170,17 @@ def all_gather_dim(x, dim: int, group, full: int):
 
 def reduce_scatter_dim(x, dim: int, group):
     return x if group_size(group) == 1 else _ReduceScatterDim.apply(x, dim % x.dim(), group)
+
+
+def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """No autograd: send ``in_splits[i]`` rows of ``x`` (in order) to rank ``i`` of ``group``; return the
+    rows received, ``out_splits[i]`` from rank ``i``, in rank order. Uneven and empty splits are fine.
+    The reverse exchange (splits swapped) is its conjugate."""
+    if group_size(group) == 1:
+        return x.clone()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=group)
+    return out
 
 
 def all_reduce_(tensors, group) -> None:

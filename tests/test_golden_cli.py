@@ -15,7 +15,7 @@ from harness.golden import META_KEY
 from harness.registry import get
 from harness.tolerance import Tolerances
 
-from .planted import ROOT, run_project
+from .ci_project import ROOT, run_project
 
 
 def git(cwd, *args):

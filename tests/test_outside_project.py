@@ -6,6 +6,7 @@ PYTHONPATH, not run from this checkout), as a user's project would have it.
 """
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -62,8 +63,13 @@ def test_an_outside_project_runs_its_own_implementation_as_readme_says(tmp_path)
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
                                   if not p.startswith(str(Path(sys.executable).parent)))
 
+    # installed from a copy: pip builds in the source tree, which must not be this checkout's
+    source = tmp_path / "paritytest"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "golden", "build", "*.egg-info",
+                                                                "__pycache__", ".hypothesis", "bisect-out"))
+
     def sh(script: str, timeout: float) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", "-euo", "pipefail", "-c", script.replace(PLACEHOLDER, str(ROOT))],
+        return subprocess.run(["bash", "-euo", "pipefail", "-c", script.replace(PLACEHOLDER, str(source))],
                               cwd=project, env=env, capture_output=True, text=True, timeout=timeout)
 
     install, run = [body for lang, body in blocks if lang == "sh"]

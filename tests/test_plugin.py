@@ -8,7 +8,8 @@ import types
 import pytest
 import torch
 
-from harness.plugin import rerun_command
+from harness.matrix import cells
+from harness.plugin import quick_selection, rerun_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -171,3 +172,17 @@ register_implementation("tp", "hang", "hang:run")
         "*rank 0: hung: in all_reduce* at parallel/collectives.py:* in _all_reduce",
         "*rank 1: hung: at hang.py:* in run",
     ])
+
+
+def test_quick_keeps_every_component_impl_dtype_and_switch_on_the_smallest_multi_rank_mesh():
+    sizes = {"b": 4}
+    cfgs = (cells("tp", impls=["ours", "dtensor"], meshes=["tp=1", "tp=2", "dp=2,tp=2", "tp=4"],
+                  dtypes=["fp32", "bf16"], sizes=sizes, switches={"op": ["mlp", "sp"]})
+            + cells("ringattn", impls=["ours"], meshes=["cp=1"], dtypes=["fp32"], sizes=sizes,
+                    switches={"mask": ["causal"]}))
+    kept = quick_selection(cfgs)
+    assert {(c.component, c.impl) for c in kept} == {("tp", "ours"), ("tp", "dtensor"), ("ringattn", "ours")}
+    assert {c.mesh for c in kept if c.component == "tp"} == {(("tp", 2),)}
+    assert {(c.dtype, c.switches) for c in kept if c.impl == "ours" and c.component == "tp"} == {
+        (d, (("op", op),)) for d in ("fp32", "bf16") for op in ("mlp", "sp")}
+    assert {c.mesh for c in kept if c.component == "ringattn"} == {(("cp", 1),)}  # the only world there is

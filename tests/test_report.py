@@ -11,7 +11,7 @@ from harness.heatmap import FAIL, grid, render
 from harness.junit import read
 from harness.report import annotations
 
-from .planted import CASES, ROOT, expected_red, make_project, run_project
+from .ci_project import CASES, ROOT, expected_red, make_project, run_project
 
 
 @pytest.fixture(scope="module")

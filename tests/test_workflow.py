@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .planted import ROOT
+from .ci_project import ROOT
 
 WORKFLOW = ROOT / ".github" / "workflows" / "parity.yml"
 README_INSTALL = "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e ."

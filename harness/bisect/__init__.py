@@ -1,0 +1,18 @@
+"""``python -m harness.bisect``: from a diverging cell to the smallest config that diverges the same way.
+
+* ``run <config id>``: confirm the divergence and that it is deterministic (two runs), take its
+  signature (:mod:`.signature`), then shrink the config while the signature holds (:mod:`.shrink`).
+* ``run <component>``: run that component's matrix (as pytest collects it from here, so a user's
+  own registered implementations count) and bisect its first failing cell.
+* ``run <config id> -- <command ...>``: the same search with any command as the oracle
+  (``{}`` in the command, or the environment variable ``PARITY_CONFIG``, is the candidate id;
+  exit 0 good, 125 skip, other codes below 128 bad).
+* ``check <config id>``: exit 0 when the cell matches, 1 when it diverges, 125 when it cannot run
+  here, for ``git bisect run python -m harness.bisect check <id>``.
+
+Trials run in one warm pool; each is logged as a JSON line; the end is one line, ``result.json``
+and the command that reproduces the minimal cell.
+"""
+from .runner import EXIT, Trials  # noqa: F401
+from .shrink import Search, steps  # noqa: F401
+from .signature import Signature, of_report  # noqa: F401

@@ -1,0 +1,198 @@
+"""Command line of ``python -m harness.bisect`` (see the package docstring, or ``--help``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from ..config import Config, ConfigError
+from ..pool import Pool, shared_pool
+from ..registry import get
+from . import __doc__ as DOC
+from .runner import EXIT, Trials
+from .shrink import Budget, Search
+
+EPILOG = """exit codes:
+  0    no divergence (check: the cell matches)
+  1    divergence found (check: the cell diverges); the minimal config is in result.json
+  2    usage error: a config id that does not parse, an unknown component, a bad option
+  3    nondeterministic: two runs of the same cell disagree, so bisecting it would mislead
+  4    budget exhausted (--max-trials, --max-seconds); the best config so far is reported
+  125  check: the cell cannot run here (its rules, its implementation's skip, the pool size)
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m harness.bisect", description=DOC,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="find the smallest config that fails the same way",
+                         usage="python -m harness.bisect run [options] {<config id>,<component>} [-- <oracle command>]",
+                         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    run.add_argument("target", help="a config id, or a component name to bisect its first failing cell")
+    run.add_argument("--max-trials", type=int, default=40, help="trials at most (default 40)")
+    run.add_argument("--max-seconds", type=float, default=120.0, help="seconds at most (default 120)")
+    run.add_argument("--out", default="bisect-out", help="where trials.jsonl and result.json go (default bisect-out)")
+    check = sub.add_parser("check", help="exit 0 if the cell matches, 1 if it diverges, 125 if it cannot run here",
+                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    check.add_argument("target", help="a config id")
+    for p in (run, check):
+        p.add_argument("--pool-size", type=int, default=8, help="rank processes (default 8)")
+        p.add_argument("--case-deadline", type=float, default=30.0, help="seconds per trial before it counts as a hang")
+    return parser
+
+
+def _usage(message: str) -> int:
+    print(f"python -m harness.bisect: error: {message}", file=sys.stderr)
+    return EXIT["usage"]
+
+
+def _collect(component: str) -> list[Config]:
+    """The component's cells as pytest collects them from the current directory (conftests
+    included, so implementations a user registered there count)."""
+    import pytest
+
+    found: list[Config] = []
+
+    class Collector:
+        def pytest_collection_modifyitems(self, items):
+            for item in items:
+                cfg = getattr(getattr(item, "callspec", None), "params", {}).get("cfg")
+                if isinstance(cfg, Config) and cfg.component == component:
+                    found.append(cfg)
+
+    code = pytest.main(["--collect-only", "-q", "-p", "no:terminal"], plugins=[Collector()])
+    if code not in (0, 5):
+        raise ConfigError(f"collecting the cases from {Path.cwd()} failed (pytest exit {code})")
+    return found
+
+
+def _reproduce(cfg: Config) -> str:
+    return f"{shlex.quote(sys.executable)} -m harness.bisect check {cfg.id}"
+
+
+def check(args) -> int:
+    try:
+        cfg = Config.parse(args.target)
+    except ConfigError as error:
+        return _usage(str(error))
+    pool = Pool(size=args.pool_size, deadline=args.case_deadline)
+    try:
+        trial = Trials(pool, quiet=True, max_trials=1).run(cfg)
+    finally:
+        pool.close()
+    kind = trial.signature.kind
+    print(f"{cfg.id}: {trial.signature}" + (f": {trial.signature.detail}" if kind in ("skip", "invalid") else ""))
+    if kind in ("skip", "invalid"):
+        return EXIT["skip"]
+    return EXIT["bad"] if trial.signature.failed else EXIT["good"]
+
+
+def run(args) -> int:
+    if args.max_trials < 2 or args.max_seconds <= 0:
+        return _usage("--max-trials needs at least 2 (the divergence is confirmed twice), --max-seconds > 0")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    pool = shared_pool(size=args.pool_size, deadline=args.case_deadline)
+    started = time.monotonic()
+    with open(out / "trials.jsonl", "w") as log:
+        trials = Trials(None if args.oracle else pool, log, args.max_trials, args.max_seconds, args.oracle or None)
+        try:
+            return _bisect(args, trials, out, started)
+        except Budget as spent:
+            best = trials.best
+            _write_result(out, {"verdict": "budget exhausted", "budget": str(spent), "best": best and best.id,
+                                "trials": trials.count})
+            print(f"\nbudget exhausted after {spent}; best so far: {best.id if best else 'none'}")
+            return EXIT["budget"]
+        except ConfigError as error:
+            return _usage(str(error))
+        finally:
+            pool.close()
+
+
+def _first_failing(component: str, trials: Trials) -> Config | None:
+    for cfg in _collect(component):
+        if trials.run(cfg, counted=False).signature.failed:
+            return cfg
+    return None
+
+
+def _bisect(args, trials: Trials, out: Path, started: float) -> int:
+    if "-" in args.target:
+        original = Config.parse(args.target)
+    else:
+        get(args.target)  # an unknown component is a usage error naming the registered ones
+        original = _first_failing(args.target, trials)
+        if original is None:
+            print(f"every {args.target} cell collected here matches the reference")
+            _write_result(out, {"verdict": "no divergence", "component": args.target})
+            return EXIT["good"]
+        print(f"first failing {args.target} cell: {original.id}", file=sys.stderr)
+    first, second = trials.run(original), trials.run(original)
+    if not first.signature.failed:
+        print(f"{original.id}: no divergence ({first.signature})")
+        _write_result(out, {"verdict": "no divergence", "original": original.id})
+        return EXIT["good"] if first.signature.kind == "match" else EXIT["skip"]
+    if not trials.same(first, second):
+        print(f"{original.id} is nondeterministic: run 1 gave {first.signature}, run 2 gave {second.signature}"
+              + ("" if first.signature != second.signature else " with results that differ beyond tolerance")
+              + "; not bisected")
+        _write_result(out, {"verdict": "nondeterministic", "original": original.id,
+                            "runs": [str(first.signature), str(second.signature)]})
+        return EXIT["nondeterministic"]
+    target = first.signature
+    trials.best = original
+    search = Search(original)
+
+    def holds(cfg: Config):
+        trial = trials.run(cfg)
+        if trial.signature.kind in ("skip", "invalid"):
+            return None
+        if target.holds_in(trial.signature):
+            trials.best = cfg
+            return True
+        return False
+
+    try:
+        minimal = search.run(holds)
+    except Budget:
+        trials.best = search.best
+        raise
+    roles = search.fields()
+    seconds = time.monotonic() - started
+    result = {"verdict": "divergence", "original": original.id, "minimal": minimal.id, "signature": str(target),
+              "kind": target.kind, "tensors": list(target.tensors), **roles, "trials": trials.count,
+              "seconds": round(seconds, 2), "reproduce": _reproduce(minimal)}
+    _write_result(out, result)
+    essential = ", ".join(roles["essential"]) or "none beyond the component itself"
+    print(f"\nminimal: {minimal.id} fails with {target}; essential: {essential}; "
+          f"{trials.count} trials, {seconds:.1f} s")
+    print(f"reproduce: {result['reproduce']}")
+    return EXIT["bad"]
+
+
+def _write_result(out: Path, result: dict) -> None:
+    (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    oracle: list[str] = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, oracle = argv[:at], argv[at + 1:]
+    args = _parser().parse_args(argv)
+    if args.command == "check":
+        return check(args)
+    args.oracle = oracle
+    if oracle and "-" not in args.target:
+        return _usage("an oracle command needs a config id to start from, not a component")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

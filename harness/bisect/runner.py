@@ -1,0 +1,111 @@
+"""Trials: one config run in the warm pool (or by an oracle command), judged, logged, budgeted."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from ..cell import CellOutcome, execute
+from ..compare import compare
+from ..config import Config, ConfigError
+from ..layout import AssemblyError
+from ..pool import CaseFailure, Pool, PoolError
+from ..registry import validate
+from .shrink import Budget
+from .signature import Signature, of_report
+
+# git bisect's conventions, and ours beyond them
+EXIT = {"good": 0, "bad": 1, "usage": 2, "nondeterministic": 3, "budget": 4, "skip": 125}
+
+
+@dataclass
+class Trial:
+    cfg: Config
+    signature: Signature
+    seconds: float
+    outcome: CellOutcome | None = None
+
+
+@dataclass
+class Trials:
+    """Runs trials against a budget, logs each as a JSON line and shows progress on stderr."""
+
+    pool: Pool | None
+    log: TextIO | None = None
+    max_trials: int = 40
+    max_seconds: float = 120.0
+    oracle: list[str] | None = None  # a command instead of the pool
+    quiet: bool = False
+    count: int = 0
+    start: float = field(default_factory=time.monotonic)
+    best: Config | None = None
+
+    def run(self, cfg: Config, *, counted: bool = True) -> Trial:
+        if counted:
+            if self.count >= self.max_trials:
+                raise Budget(f"{self.max_trials} trials (--max-trials)")
+            if time.monotonic() - self.start > self.max_seconds:
+                raise Budget(f"{self.max_seconds:g} s (--max-seconds)")
+            self.count += 1
+        begin = time.perf_counter()
+        trial = self._oracle(cfg) if self.oracle else self._in_pool(cfg)
+        trial.seconds = time.perf_counter() - begin
+        self._record(trial)
+        return trial
+
+    def _in_pool(self, cfg: Config) -> Trial:
+        try:
+            component = validate(cfg, self.pool.size)
+        except ConfigError as error:
+            return Trial(cfg, Signature("invalid", detail=str(error)), 0.0)
+        reason = component.implementations[cfg.impl].skip_reason(cfg)
+        if reason:
+            return Trial(cfg, Signature("skip", detail=reason), 0.0)
+        try:
+            outcome = execute(cfg, self.pool)
+        except CaseFailure as error:
+            return Trial(cfg, Signature(error.kind, detail=error.reason), 0.0)
+        except (AssemblyError, PoolError) as error:
+            return Trial(cfg, Signature("crash", detail=str(error).splitlines()[0]), 0.0)
+        return Trial(cfg, of_report(outcome.parity), 0.0, outcome)
+
+    def _oracle(self, cfg: Config) -> Trial:
+        command = [part.replace("{}", cfg.id) for part in self.oracle]
+        done = subprocess.run(command, env=dict(os.environ, PARITY_CONFIG=cfg.id), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        code = done.returncode
+        if code == 0:
+            return Trial(cfg, Signature("match"), 0.0)
+        if code == EXIT["skip"]:
+            return Trial(cfg, Signature("skip", detail="the oracle exited 125"), 0.0)
+        if 0 < code < 128:
+            return Trial(cfg, Signature("bad", detail=f"the oracle exited {code}"), 0.0)
+        raise RuntimeError(f"the oracle {shlex.join(command)} exited {code} (128 or more: killed or aborted)")
+
+    def _record(self, trial: Trial) -> None:
+        elapsed = time.monotonic() - self.start
+        if self.log:
+            self.log.write(json.dumps({"trial": self.count, "config": trial.cfg.id, "kind": trial.signature.kind,
+                                       "tensors": list(trial.signature.tensors), "detail": trial.signature.detail,
+                                       "seconds": round(trial.seconds, 3), "elapsed": round(elapsed, 3)}) + "\n")
+            self.log.flush()
+        if not self.quiet:
+            width = 24
+            done = min(width, round(width * self.count / max(1, self.max_trials)))
+            bar = "#" * done + "." * (width - done)
+            best = f" best: {self.best.id}" if self.best else ""
+            print(f"\r[{bar}] {self.count:>3}/{self.max_trials} {elapsed:6.1f}s {trial.signature.kind:<9}"
+                  f"{trial.cfg.id}{best}", file=sys.stderr, flush=True)
+
+    def same(self, first: Trial, second: Trial) -> bool:
+        """Two runs of one config agree: the same signature, and results equal within tolerance."""
+        if first.signature != second.signature:
+            return False
+        if first.outcome is None or second.outcome is None:
+            return True
+        return compare(first.outcome.result, second.outcome.result, first.outcome.tol).ok

@@ -1,0 +1,149 @@
+"""harness.bisect on planted bugs: the minimal config, nondeterminism, budgets, git bisect run."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.bisect.shrink import Search, fields
+from harness.bisect.signature import Signature, whole_factor
+from harness.config import Config
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFTEST = '''
+from harness.registry import register_implementation
+register_implementation("tp", "overtp", "tests.planted:tp_grads_over_tp")
+register_implementation("tp", "noisy", "tests.planted:tp_noisy")
+register_implementation("ringattn", "stuck", "tests.planted:ring_never_rotates")
+'''
+
+
+def bisect(tmp_path, *args, cwd=None, timeout=600):
+    """Run ``python -m harness.bisect`` the way a user does, with the planted implementations
+    registered through a conftest of the directory it runs from."""
+    project = cwd or tmp_path / "project"
+    project.mkdir(exist_ok=True)
+    (project / "conftest.py").write_text(CONFTEST)
+    code = f"import conftest, sys; from harness.bisect.__main__ import main; sys.exit(main({list(args)!r}))"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(project), str(ROOT)]))
+    return subprocess.run([sys.executable, "-c", code], cwd=project, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def result(tmp_path):
+    return json.loads((tmp_path / "project" / "bisect-out" / "result.json").read_text())
+
+
+def test_whole_factors_name_scaling_bugs():
+    assert whole_factor(0.25) == 4 and whole_factor(2.01) == 2 and whole_factor(1 / 3) == 3
+    assert whole_factor(1.0) is None and whole_factor(1.4) is None and whole_factor(0.7) is None
+
+
+def test_a_signature_holds_when_the_kind_matches_and_its_worst_tensor_still_fails():
+    sig = Signature("scale", ("grad/w1", "grad/b1"))
+    assert sig.holds_in(Signature("scale", ("grad/b1", "grad/w1")))
+    assert not sig.holds_in(Signature("mismatch", ("grad/w1",)))
+    assert not sig.holds_in(Signature("scale", ("out",)))
+    mismatch = Signature("mismatch", ("out",))
+    assert mismatch.holds_in(Signature("scale", ("out", "grad/x")))  # a scaling is a kind of mismatch
+    assert not sig.holds_in(Signature("mismatch", ("grad/w1",)))  # but a scaling must stay one
+
+
+def test_shrinking_keeps_two_dims_a_bug_needs():
+    """A pure-Python oracle: the bug needs tp > 1 and ep != tp; everything else is noise."""
+    start = Config("tp", "ours", {"dp": 2, "tp": 4}, "bf16", dict(b=4, s=8, h=16, f=32, v=40), {"op": "mlp"})
+
+    def holds(cfg):
+        return cfg.degree("tp") > 1 and cfg.degree("dp") > 1 and cfg.size("b") >= 4
+
+    search = Search(start)
+    minimal = search.run(holds)
+    assert minimal.dims == {"dp": 2, "tp": 2} and minimal.dtype == "fp32" and minimal.size("b") == 4
+    roles = search.fields()
+    assert {"dp=2", "tp=2", "b=4"} == set(roles["essential"])
+    assert "dtype=fp32" in roles["any value"] and "s=1" not in roles["essential"]
+
+
+@pytest.mark.slow
+def test_a_scaling_bug_from_an_8_rank_cell_shrinks_to_tp2_within_budget(tmp_path):
+    cell = "tp-overtp-dp2.tp4-bf16-op_mlp-b4.f32.h16.s8.v40-seed0"
+    done = bisect(tmp_path, "run", cell)
+    assert done.returncode == 1, done.stdout + done.stderr
+    found = result(tmp_path)
+    minimal = Config.parse(found["minimal"])
+    assert minimal.dims == {"tp": 2} and minimal.dtype == "fp32"
+    assert found["kind"] == "scale" and found["tensors"][0].startswith("grad/")
+    assert "tp=2" in found["essential"]
+    assert found["trials"] <= 40 and found["seconds"] < 120
+    assert "reproduce: " in done.stdout and "harness.bisect check " + found["minimal"] in done.stdout
+    lines = (tmp_path / "project" / "bisect-out" / "trials.jsonl").read_text().splitlines()
+    assert len(lines) == found["trials"] and json.loads(lines[0])["config"] == cell
+
+
+@pytest.mark.slow
+def test_a_ring_bug_keeps_cp_and_drops_every_switch_it_does_not_need(tmp_path):
+    cell = "ringattn-stuck-cp4.tp2-bf16-gqa_on.layout_zigzag.mask_causal-b2.d4.h16.q4.s48-seed0"
+    done = bisect(tmp_path, "run", cell)
+    assert done.returncode == 1, done.stdout + done.stderr
+    minimal = Config.parse(result(tmp_path)["minimal"])
+    assert minimal.dims == {"cp": 2}
+    assert dict(minimal.switches) == {"gqa": "off", "layout": "contig", "mask": "full"}
+
+
+@pytest.mark.slow
+def test_a_nondeterministic_implementation_is_reported_not_bisected(tmp_path):
+    done = bisect(tmp_path, "run", "tp-noisy-tp2-fp32-op_mlp-b4.f32.h16.s8.v40-seed0")
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "nondeterministic" in done.stdout and result(tmp_path)["verdict"] == "nondeterministic"
+
+
+def test_check_follows_git_bisect_exit_codes(tmp_path):
+    assert bisect(tmp_path, "check", "tp-ours-tp2-fp32-op_mlp-b4.f32.h16.s8.v40-seed0").returncode == 0
+    assert bisect(tmp_path, "check", "tp-overtp-tp2-fp32-op_mlp-b4.f32.h16.s8.v40-seed0").returncode == 1
+    skip = bisect(tmp_path, "check", "tp-ours-tp3-fp32-op_mlp-b4.f32.h16.s8.v2-seed0")  # v=2 over tp=3: a rule
+    assert skip.returncode == 125, skip.stdout + skip.stderr
+    bad = bisect(tmp_path, "check", "not-a-config")
+    assert bad.returncode == 2 and "expected 7" in bad.stderr
+
+
+def test_a_command_oracle_and_the_trial_budget(tmp_path):
+    # the oracle says bad while tp > 1: the search wants more trials than it is given
+    oracle = [sys.executable, "-c", "import sys; sys.exit(1 if '.tp' in sys.argv[1] or '-tp' in sys.argv[1] and "
+              "'tp1' not in sys.argv[1] else 0)", "{}"]
+    done = bisect(tmp_path, "run", "tp-ours-dp2.tp4-fp32-op_mlp-b4.f32.h16.s8.v40-seed0", "--max-trials", "3",
+                  "--", *oracle)
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert result(tmp_path)["verdict"] == "budget exhausted"
+
+
+@pytest.mark.slow
+def test_git_bisect_run_finds_the_commit_that_broke_a_cell(tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".git", ".venv", "golden", "*.egg-info", "__pycache__",
+                                                              "bisect-out"))
+    git = lambda *a: subprocess.run(["git", *a], cwd=repo, check=True, capture_output=True, text=True)  # noqa: E731
+    git("init", "-q")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "good", "--allow-empty")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "good")
+    good = git("rev-parse", "HEAD").stdout.strip()
+    tp = repo / "parallel" / "tp.py"
+    for i, text in enumerate(["# a harmless comment\n", None, "# another\n"]):
+        if text is None:  # the breaking commit: the row-parallel all-reduce forgotten
+            source = tp.read_text().replace("out = reduce_from_group(F.linear(x_shard, w), tp)",
+                                            "out = F.linear(x_shard, w)")
+            assert "out = F.linear(x_shard, w)" in source
+            tp.write_text(source)
+        else:
+            tp.write_text(tp.read_text() + text)
+        git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", f"change {i}")
+    breaking = git("rev-parse", "HEAD~1").stdout.strip()
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    cell = "tp-ours-tp2-fp32-op_mlp-b4.f32.h16.s8.v40-seed0"
+    subprocess.run(["git", "bisect", "start", "HEAD", good], cwd=repo, check=True, capture_output=True)
+    done = subprocess.run(["git", "bisect", "run", sys.executable, "-m", "harness.bisect", "check", cell],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert f"{breaking} is the first bad commit" in done.stdout, done.stdout + done.stderr
