@@ -55,6 +55,7 @@ def test_the_workflow_installs_as_readme_does_and_gates_on_the_matrix():
     assert "self-hosted" in jobs["gpu"]["runs-on"]
 
 
+@pytest.mark.slow  # starts several pytest processes, as the CI job does
 def test_the_workflow_commands_run_here_write_the_summary_with_the_per_component_table(tmp_path):
     """Every run step of the CPU job, as the runner runs it (bash -eo pipefail, from the checkout),
     narrowed to a few cells and one test module by the variables the workflow honours. The install
