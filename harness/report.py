@@ -140,10 +140,48 @@ COMPONENT_HEADERS = ["component", "passed", "failed", "skipped", "worst err/tol"
                      "golden identical", "golden within tol", "golden written", "seconds"]
 
 
+TABLE_COLUMNS = ("tensor", "problem", "worst index", "actual", "expected", "abs err", "rel err", "tol", "err/tol",
+                 "norm ratio", "bad", "bad ranks")  # harness.compare.Report.table()
+
+
+def table_rows(text: str) -> list[dict[str, str]]:
+    """The rows of the divergence table(s) in a failure text (pandas right-aligns every column, so
+    a column ends where its header ends; empty cells stay empty)."""
+    rows, ends = [], None
+    for line in text.splitlines():
+        if line.lstrip().startswith("tensor ") and "norm ratio" in line:
+            ends, at = [], 0
+            try:
+                for name in TABLE_COLUMNS:
+                    at = line.index(name, at) + len(name)
+                    ends.append(at)
+            except ValueError:  # a table of another shape: read nothing rather than misread it
+                ends = None
+            continue
+        if ends is None or not line.strip() or line.startswith("reproduce:"):
+            ends = None if line.startswith("reproduce:") else ends
+            continue
+        starts = [0] + ends[:-1]
+        rows.append({name: line[a:b].strip() for name, a, b in zip(TABLE_COLUMNS, starts, ends[:-1] + [len(line)])})
+    return rows
+
+
+def _norm_ratio(case: TestCase) -> str:
+    """The norm ratio of the worst wrong-valued tensor (a scaling bug's signature). The recorded
+    worst row may be a ``replicas`` row, whose norm ratio says nothing."""
+    wrong = [r for r in table_rows(case.text or case.message) if r["problem"] in ("mismatch", "nan/inf")]
+    try:
+        worst = max(wrong, key=lambda r: float(r["err/tol"]))
+        return f"{float(worst['norm ratio']):.4g} (`{worst['tensor']}`)"
+    except ValueError:  # no such row, or a value that is not a number
+        r = case.record or {}
+        return _ratio(r.get("norm_ratio")) if r.get("tensor") else ""
+
+
 def _failure_line(case: TestCase) -> list:
     r = case.record or {}
     return [f"`{case.cell}`", r.get("kind") or case.outcome, f"`{r['tensor']}`" if r.get("tensor") else "",
-            _ratio(r.get("ratio")) if r.get("ratio") else "", _ratio(r.get("norm_ratio")) if r.get("tensor") else ""]
+            _ratio(r.get("ratio")) if r.get("ratio") else "", _norm_ratio(case)]
 
 
 def _failure_text(case: TestCase) -> str:
@@ -244,7 +282,7 @@ def annotations(results: Results, root: Path = Path(".")) -> list[str]:
         r = case.record
         if r:
             title = f"parity {r.get('kind') or 'failure'}: {case.cell}"
-            first = (f"worst tensor {r['tensor']}: err/tol {r['ratio']:.3g}, norm ratio {r['norm_ratio']:.4g}"
+            first = (f"worst tensor {r['tensor']}: err/tol {r['ratio']:.3g}; norm ratio {_norm_ratio(case).replace('`', '')}"
                      if r.get("tensor") else _failure_text(case).splitlines()[0] if _failure_text(case) else "")
             message = first + (f"\nreproduce: {case.reproduce}" if case.reproduce else "")
         else:

@@ -1,5 +1,6 @@
 """harness.report on a real run with one planted bug: the summary, the annotations and the heatmap
 must all point at the failing cells, and at no other."""
+import math
 import re
 import subprocess
 import sys
@@ -9,7 +10,8 @@ import pytest
 
 from harness.heatmap import FAIL, grid, render
 from harness.junit import read
-from harness.report import annotations
+from harness.compare import Report, Row
+from harness.report import annotations, table_rows
 
 from .ci_project import CASES, ROOT, expected_red, make_project, run_project
 
@@ -55,6 +57,7 @@ def test_the_summary_leads_with_the_failures_and_names_each_failing_cell_with_ta
         assert f"{cell} diverges from the reference" in section
         assert re.search(r"^\s+out mismatch", section, re.M)  # the divergence table
         assert f"-m pytest 'test_cells.py::test_tp[{cell}]'" in section  # its reproduce command
+    assert re.search(r"\| 6.33e\+05 \| 0\.7\d+ \(`out`\) \|$", summary, re.M)  # out's norm ratio, not a replica row's 1
     assert "tp-buggy-tp1-" not in summary and "tp-ours-tp2-fp32-op_mlp" not in summary
 
 
@@ -109,3 +112,18 @@ def test_sizes_fold_into_their_worst_and_a_square_is_as_bad_as_its_worst_cell():
     assert g.status[("ours", "tp4", 0)] == "skipped" and ("ours", "tp4", 0) not in g.ratio
     assert g.status[("ours", "tp1", 0)] == "failed" and g.ratio[("ours", "tp1", 0)] == 50.0
     assert g.failed() == [("ours", "tp1", 0)]
+
+
+def test_the_divergence_table_reads_back_column_by_column_empty_cells_included():
+    report = Report([Row("loss", False, "mismatch", (), actual=-0.066, expected=0.36, abs_err=0.43, rel_err=1.18,
+                         tol=2.5e-5, ratio=1.7e4, norm_ratio=0.1839, bad="1/1", ranks="0,1"),
+                     Row("out", False, "replicas", abs_err=2.8, tol=4.4e-6, ratio=6.3e5,
+                         bad="ranks 0 and 1 hold different copies", ranks="0,1"),
+                     Row("grad.w", False, "nan/inf", (2, 5, 13), actual=math.nan, expected=0.25, abs_err=math.inf,
+                         rel_err=math.inf, tol=6e-6, ratio=math.inf, norm_ratio=0.7699, bad="512/512",
+                         ranks="0,1,2,3")])
+    rows = table_rows(f"cell diverges:\n{report.table()}\nreproduce: x")
+    assert [(r["tensor"], r["problem"], r["worst index"], r["norm ratio"], r["bad ranks"]) for r in rows] == [
+        ("loss", "mismatch", "", "0.1839", "0,1"), ("out", "replicas", "", "1", "0,1"),
+        ("grad.w", "nan/inf", "(2,5,13)", "0.7699", "0,1,2,3")]
+    assert rows[1]["bad"] == "ranks 0 and 1 hold different copies" and rows[0]["err/tol"] == "1.7e+04"
