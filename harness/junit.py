@@ -21,6 +21,8 @@ from .plugin import PROPERTY
 class TestCase:
     """One ``<testcase>``: a cell of the matrix when ``record`` is set, else another test."""
 
+    __test__ = False  # not a pytest test class, whatever its name
+
     classname: str
     name: str
     outcome: str  # passed, failed, error, skipped
