@@ -31,7 +31,31 @@ register_component(Component(
     validate="parallel.moe:validate",
     reduction="reference.moe:reduction_size",
     meshes="parallel.moe:meshes",
+    simplest={"cap": ("none", "100", "125"), "score": ("softmax", "sigmoid"), "norm": ("off", "on")},
     implementations={
         "ours": Implementation("ours", "parallel.moe:run"),
+    },
+))
+
+register_component(Component(
+    name="fsdp",
+    reference="reference.fsdp:reference",
+    validate="parallel.fsdp:validate",
+    reduction="reference.fsdp:reduction_size",
+    implementations={
+        "ours": Implementation("ours", "parallel.fsdp:run"),
+        "fsdp2": Implementation("fsdp2", "parallel.fsdp_torch:run", skip="parallel.fsdp_torch:skip_reason"),
+    },
+))
+
+register_component(Component(
+    name="pp",
+    reference="reference.pipeline:reference",
+    validate="parallel.pipeline:validate",
+    reduction="reference.pipeline:reduction_size",
+    simplest={"sched": ("gpipe", "1f1b", "interleaved"), "tied": ("off", "on")},
+    implementations={
+        "ours": Implementation("ours", "parallel.pipeline:run"),
+        "torch": Implementation("torch", "parallel.pipeline_torch:run", skip="parallel.pipeline_torch:skip_reason"),
     },
 ))

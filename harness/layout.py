@@ -83,12 +83,15 @@ class Shard:
     ``inner``: the mesh dim is read as (outer x inner), row-major, and only its inner factor splits
     the tensor: coordinate ``c`` holds chunk ``c % inner`` of ``inner``, replicated over ``c // inner``
     (a sparse dim borrowed from a dense one, e.g. experts over ep=2 inside dp=4 in dp2ep).
+    ``on``: the coordinates (negative counts from the end) that each hold the whole dim, as replicas;
+    the others hold none of it (a pipeline's embedding on the first stage, its head on the last).
     """
 
     dim: int
     packs: int = 1
     zigzag: bool = False
     inner: int = 0
+    on: tuple[int, ...] = ()
 
 
 def chunk_bounds(size: int, n: int, i: int) -> tuple[int, int]:
@@ -99,6 +102,8 @@ def chunk_bounds(size: int, n: int, i: int) -> tuple[int, int]:
 
 def shard_indices(index: torch.Tensor, shard: Shard, n: int, c: int) -> torch.Tensor:
     """The entries of a 1-D index vector that coordinate ``c`` of ``n`` holds under ``shard``."""
+    if shard.on:
+        return index if c in {k % n for k in shard.on} else index[:0]
     if shard.inner:
         if n % shard.inner:
             raise ValueError(f"inner factor {shard.inner} does not divide a mesh dim of {n}")
