@@ -85,3 +85,11 @@ def read_golden(path: Path, cfg: Config, rerun: str = "") -> tuple[dict[str, tor
         raise GoldenError(f"golden file {path} holds config {meta.get('config')!r}, not {cfg.id!r}; "
                           f"recreate it with\n  {fix}")
     return tensors, meta
+
+
+if __name__ == "__main__":  # python -m harness.golden diff [BASE_REV] | check
+    import sys
+
+    from harness.golden_cli import main
+
+    sys.exit(main())
