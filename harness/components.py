@@ -23,3 +23,14 @@ register_component(Component(
                                 skip="parallel.ring_attention_torch:skip_reason", omits=("lse",)),
     },
 ))
+
+register_component(Component(
+    name="ckpt",
+    reference="reference.checkpoint:reference",
+    validate="parallel.checkpoint:validate",
+    reduction="reference.checkpoint:reduction_size",
+    meshes="parallel.checkpoint:meshes",
+    implementations={
+        "dcp": Implementation("dcp", "parallel.checkpoint:run"),
+    },
+))

@@ -1,0 +1,290 @@
+"""Checkpoint reshard round trips: save under one layout with torch.distributed.checkpoint, load under
+another, check, and take one more step.
+
+Read beside ``reference/checkpoint.py``, where the whole round trip is the identity between two
+AdamW steps. Here one cell is an ordered pair of layouts (switches ``save`` and ``load``):
+
+    fsdp<n>          FSDP2 ``fully_shard`` over a ``dp=n`` mesh                (dim-0 shards, uneven)
+    hsdp<r>x<s>      FSDP2 over a ``rep=r, dp=s`` mesh: replicate x shard
+    fsdptp<d>x<t>    DTensor ``parallelize_module`` over ``tp=t`` (w1 column-, w2 row-parallel),
+                     then ``fully_shard`` over ``dp=d``
+
+The cell's mesh is ``w=<the larger world>``; the two layout meshes are declared through
+``meshes(cfg)`` and fetched with ``ctx.mesh``. Ranks outside a layout sit its phase out: every DCP
+collective runs on the layout's own whole group (``w=<its world>``), never on the default group.
+
+1. save side: step 1 on batch 1, ``checkpoint_io.save`` into ``ctx.scratch``, note the full state
+   (what was saved), then step 2 on the old layout.
+2. load side: a different target state (other parameters, two steps on other batches), which must
+   differ from the saved state in every tensor; ``checkpoint_io.load``; the full state must equal the
+   saved one bit for bit; then step 2 on the new layout, which must equal step 2 on the old layout
+   within the tolerance policy.
+
+Checks 1-2 run on rank 0 (in every layout) at the end, so a failure is one rank's clear error and
+never a hang. The results (state after load, the resumed step and the state after it) are full
+tensors, compared with the reference by the harness like any other cell.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from harness.config import Config, ConfigError
+from harness.context import RankContext
+from harness.layout import Piece, Shard, take
+from harness.tolerance import Tolerances
+from reference.checkpoint import MOMENTS, PARAMS, make_problem, reduction_size
+from reference.common import adamw, param_name, probe_loss, state_name
+
+from . import checkpoint_io
+
+# module parameter -> the reference's name
+NAMES = {"w1.weight": "w1", "w1.bias": "b1", "w2.weight": "w2", "w2.bias": "b2"}
+FORMS = ("fsdp<n>", "hsdp<r>x<s>", "fsdptp<d>x<t>")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way of holding the model: its kind and its mesh dims."""
+
+    text: str
+    kind: str  # fsdp, hsdp, fsdptp
+    dims: tuple[tuple[str, int], ...]
+
+    @property
+    def world(self) -> int:
+        return math.prod(d for _, d in self.dims)
+
+    @property
+    def whole(self) -> tuple[tuple[str, int], ...]:
+        """A 1-D mesh over the layout's ranks: DCP's process group."""
+        return (("w", self.world),)
+
+
+def parse_layout(text: str) -> Layout:
+    if m := re.fullmatch(r"fsdp(\d+)", text):
+        return Layout(text, "fsdp", (("dp", int(m[1])),))
+    if m := re.fullmatch(r"hsdp(\d+)x(\d+)", text):
+        return Layout(text, "hsdp", (("rep", int(m[1])), ("dp", int(m[2]))))
+    if m := re.fullmatch(r"fsdptp(\d+)x(\d+)", text):
+        return Layout(text, "fsdptp", (("dp", int(m[1])), ("tp", int(m[2]))))
+    raise ConfigError(f"checkpoint layout {text!r} is not one of {', '.join(FORMS)} (e.g. fsdp4, hsdp2x4, fsdptp2x2)")
+
+
+def layouts(cfg: Config) -> tuple[Layout, Layout]:
+    return parse_layout(cfg.switch("save")), parse_layout(cfg.switch("load"))
+
+
+def validate(cfg: Config) -> None:
+    """Rules of the checkpoint component, checked before any rank runs."""
+    save, load = layouts(cfg)
+    for layout in (save, load):
+        if any(d < 1 for _, d in layout.dims):
+            raise ConfigError(f"checkpoint layout {layout.text}: every degree must be at least 1")
+        dp = data_parallel_world(layout)
+        if cfg.size("b") % dp:
+            raise ConfigError(f"layout {layout.text} splits the batch b={cfg.size('b')} over {dp} data-parallel ranks: "
+                              f"choose b a multiple of {dp} (FSDP2 averages gradients, so shards must be equal)")
+        if layout.kind == "fsdptp" and cfg.size("f") % layout.dims[1][1]:
+            raise ConfigError(f"layout {layout.text}: tp={layout.dims[1][1]} does not divide f={cfg.size('f')}: "
+                              "choose f a multiple of tp (DTensor TP here assumes even tp shards)")
+    world = max(save.world, load.world)
+    if cfg.mesh != (("w", world),):
+        raise ConfigError(f"{cfg.id}: a checkpoint cell's mesh is the larger layout's world, w={world}, "
+                          f"not {','.join(f'{n}={d}' for n, d in cfg.mesh)}")
+
+
+def meshes(cfg: Config) -> list[tuple[tuple[str, int], ...]]:
+    """The two layouts' meshes and the whole group of each (for DCP), besides the cell's ``w`` mesh."""
+    out = []
+    for layout in layouts(cfg):
+        for dims in (layout.dims, layout.whole):
+            if dims != cfg.mesh and dims not in out:
+                out.append(dims)
+    return out
+
+
+def data_parallel_world(layout: Layout) -> int:
+    return layout.world // (layout.dims[1][1] if layout.kind == "fsdptp" else 1)
+
+
+class MLP(nn.Module):
+    """``reference.checkpoint.forward`` as modules, so FSDP2 and a TP plan can name its parts."""
+
+    def __init__(self, p: dict[str, torch.Tensor]):
+        super().__init__()
+        self.w1 = nn.Linear(p["w1"].shape[1], p["w1"].shape[0], dtype=p["w1"].dtype)
+        self.w2 = nn.Linear(p["w2"].shape[1], p["w2"].shape[0], dtype=p["w2"].dtype)
+        with torch.no_grad():
+            for module, name in NAMES.items():
+                self.get_parameter(module).copy_(p[name])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x)))
+
+
+def full_tensors(tensors: dict[str, torch.Tensor], group) -> dict[str, torch.Tensor]:
+    """The full tensors of many DTensors in one collective over ``group`` (every rank of their mesh).
+
+    ``full_tensor()`` costs one all-gather per tensor; a cell needs five snapshots of 16 tensors.
+    Here each rank sends its local shards with their global offsets (as DTensor computes them, and
+    as DCP writes them) and every rank places them. Each element must be covered, and replicas (the
+    replicate dim of HSDP, tp copies of a bias) must agree bit for bit. ``tests/test_checkpoint_faults``
+    holds this against ``full_tensor()`` on every layout.
+    """
+    mine = {}
+    for name, t in tensors.items():
+        if isinstance(t, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            local = t.to_local().detach()
+            if tuple(local.shape) != tuple(shape):
+                raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the {tuple(shape)} its placements give")
+            mine[name] = (local, tuple(offset), tuple(t.shape))
+        else:
+            mine[name] = (t.detach(), (0,) * t.dim(), tuple(t.shape))
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, mine, group=group)
+    out = {}
+    for name in tensors:
+        _, _, shape = mine[name]
+        full = torch.empty(shape, dtype=mine[name][0].dtype)
+        seen = torch.zeros(shape, dtype=torch.bool)
+        for rank, part in enumerate(parts):
+            local, offset, _ = part[name]
+            where = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
+            if seen[where].any() and not torch.equal(full[where][seen[where]], local[seen[where]]):
+                raise RuntimeError(f"{name}: replicas disagree (rank {rank} of the layout)")
+            full[where], seen[where] = local, True
+        if not seen.all():
+            raise RuntimeError(f"{name}: {int((~seen).sum())} elements are held by no rank")
+        out[name] = full
+    return out
+
+
+class Side:
+    """The model and AdamW held under one layout by FSDP2 (and DTensor TP): train, save, load, report."""
+
+    def __init__(self, ctx: RankContext, layout: Layout, params: dict[str, torch.Tensor]):
+        self.layout = layout
+        mesh = ctx.mesh(layout.dims)
+        self.group = ctx.mesh(layout.whole).get_group("w")
+        self.model = MLP(params)
+        if layout.kind == "fsdptp":
+            parallelize_module(self.model, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+            fully_shard(self.model, mesh=mesh["dp"])
+            self.dp_index, self.dp_size = mesh.get_local_rank("dp"), layout.dims[0][1]
+        else:  # fsdp: 1-D mesh; hsdp: 2-D (replicate, shard) mesh, the batch split over both
+            fully_shard(self.model, mesh=mesh)
+            self.dp_index, self.dp_size = self.group.rank(), layout.world  # row-major: rep * s + dp
+        self.optimizer = adamw(list(self.model.parameters()))
+
+    def step(self, x: torch.Tensor, probe: torch.Tensor) -> torch.Tensor:
+        """One AdamW step on this rank's batch shard; returns the loss over the whole batch."""
+        x, probe = (take(t, Shard(0), self.dp_size, self.dp_index) for t in (x, probe))
+        # FSDP2 averages gradients over the data-parallel ranks: each normalises by its own tokens
+        loss = probe_loss(self.model(x), probe, x.shape[0])
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=self.group)  # tp ranks hold equal copies: the mean is still right
+        return total / self.layout.world
+
+    def state_dict(self) -> dict:
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optimizer}
+
+    def save(self, path: str) -> None:
+        checkpoint_io.save(self.state_dict(), path, self.group)
+
+    def load(self, path: str) -> None:
+        loaded = checkpoint_io.load(self.state_dict(), path, self.group)
+        set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter, AdamW moment and step count as a full tensor (a collective on the layout)."""
+        out = {}
+        for module_name, p in self.model.named_parameters():
+            name = NAMES[module_name]
+            out[param_name(name)] = p
+            state = self.optimizer.state[p]
+            for key in (*MOMENTS, "step"):
+                out[state_name(key, name)] = state[key]
+        return full_tensors(out, self.group)
+
+
+class RoundTripError(AssertionError):
+    """The load did not restore the saved state, or the resumed step left the old layout's result."""
+
+
+def check(cfg: Config, saved: dict, before: dict, loaded: dict, old: dict, resumed: dict) -> None:
+    """On rank 0: the target differed, the load restored every bit, the resumed step agrees."""
+    save, load = (layout.text for layout in layouts(cfg))
+    same = [k for k in saved if torch.equal(before[k], saved[k])]
+    if same:
+        raise RoundTripError(f"the {load} target already held the saved values of {same} before loading: "
+                             "the round trip would prove nothing")
+    for k in saved:
+        if loaded[k].dtype != saved[k].dtype or not torch.equal(loaded[k], saved[k]):
+            diff = (loaded[k].double() - saved[k].double()).abs()
+            worst = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)) if diff.dim() else ()
+            raise RoundTripError(f"{k} loaded under {load} differs from the one saved under {save}: "
+                                 f"{int((diff > 0).sum())}/{diff.numel()} elements, worst at {worst}: "
+                                 f"{float(loaded[k].flatten()[diff.argmax()]):.6g} vs {float(saved[k].flatten()[diff.argmax()]):.6g}")
+    tol = Tolerances(cfg.dtype, reduction_size(cfg))
+    for k in old:
+        name = f"resumed/{k}"
+        err = (resumed[k].double() - old[k].double()).abs()
+        allowed = tol.get(name).allowed(old[k].double())
+        if (err > allowed).any():
+            i = int((err / allowed).flatten().argmax())
+            raise RoundTripError(f"{k} after the resumed step under {load} differs from that step under {save}: "
+                                 f"{float(resumed[k].flatten()[i]):.6g} vs {float(old[k].flatten()[i]):.6g} "
+                                 f"at flat index {i}, beyond {tol.get(name)}")
+
+
+def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
+    save, load = layouts(cfg)
+    problem = make_problem(cfg)
+    path = os.path.join(ctx.scratch, "checkpoint")
+    saved = old = None
+    if ctx.rank < save.world:
+        side = Side(ctx, save, problem.params)
+        side.step(*problem.batches[0])
+        side.save(path)
+        saved = side.full_state()
+        old_loss = side.step(*problem.batches[1])
+        old = side.full_state() | {"loss": old_loss}
+    # the load side reads what the coordinator of the save side wrote: all of it must be there
+    dist.barrier(group=ctx.group("w"))
+    result = None
+    if ctx.rank < load.world:
+        side = Side(ctx, load, problem.target_params)
+        for batch in problem.target_batches:
+            side.step(*batch)
+        before = side.full_state()
+        side.load(path)
+        loaded = side.full_state()
+        loss = side.step(*problem.batches[1])
+        resumed = side.full_state() | {"loss": loss}
+        result = {f"loaded/{k}": v for k, v in loaded.items()} | {f"resumed/{k}": v for k, v in resumed.items()}
+        result = {k: v for k, v in result.items() if "/opt/step/" not in k}
+    if load.world < ctx.layout.world:  # ranks outside the load layout return rank 0's copy
+        box = [result]
+        dist.broadcast_object_list(box, src=0, group=ctx.group("w"))
+        result = box[0]
+    if ctx.rank == 0:
+        check(cfg, saved, before, loaded, old, resumed)
+    return {name: Piece.full(t) for name, t in result.items()}
