@@ -25,6 +25,17 @@ register_component(Component(
 ))
 
 register_component(Component(
+    name="fsdp",
+    reference="reference.fsdp:reference",
+    validate="parallel.fsdp:validate",
+    reduction="reference.fsdp:reduction_size",
+    implementations={
+        "ours": Implementation("ours", "parallel.fsdp:run"),
+        "fsdp2": Implementation("fsdp2", "parallel.fsdp_torch:run", skip="parallel.fsdp_torch:skip_reason"),
+    },
+))
+
+register_component(Component(
     name="ckpt",
     reference="reference.checkpoint:reference",
     validate="parallel.checkpoint:validate",

@@ -60,13 +60,25 @@ def _gather(x: torch.Tensor, dim: int, group, full: int) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    n, r = group_size(group), group_rank(group)
+    r = group_rank(group)
+    return reduce_scatter_padded(x, dim, group).narrow(dim, 0, _sizes(x.shape[dim], group_size(group))[r])
+
+
+def reduce_scatter_padded(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """No autograd: sum ``x`` over ``group`` and keep this rank's ``torch.chunk`` chunk of ``dim``,
+    padded with zeros to the largest chunk (FSDP keeps its gradient shards padded)."""
+    n = group_size(group)
     sizes = _sizes(x.shape[dim], n)
     chunks = [_pad(x.narrow(dim, lo, s), dim, max(sizes)) for lo, s in zip(
         [chunk_bounds(x.shape[dim], n, i)[0] for i in range(n)], sizes)]
     out = torch.empty_like(chunks[0])
     dist.reduce_scatter(out, chunks, group=group)
-    return out.narrow(dim, 0, sizes[r])
+    return out
+
+
+def all_gather_chunks(x: torch.Tensor, dim: int, group, full: int) -> torch.Tensor:
+    """No autograd: the full ``dim`` of ``full`` items from every rank's chunk (padded or not)."""
+    return _gather(x, dim, group, full)
 
 
 class _CopyToGroup(torch.autograd.Function):
