@@ -43,24 +43,32 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from harness.config import Config, ConfigError
 from harness.context import RankContext
-from harness.layout import Piece, Shard, take
+from harness.layout import MeshLayout, Piece, Shard, take
 from harness.tolerance import Tolerances
 from reference.checkpoint import MOMENTS, PARAMS, make_problem, reduction_size
 from reference.common import adamw, param_name, probe_loss, state_name
 
 from . import checkpoint_io
+from .fsdp import FSDP
 
 # module parameter -> the reference's name
 NAMES = {"w1.weight": "w1", "w1.bias": "b1", "w2.weight": "w2", "w2.bias": "b2"}
-FORMS = ("fsdp<n>", "hsdp<r>x<s>", "fsdptp<d>x<t>")
+FORMS = ("fsdp<n>", "hsdp<r>x<s>", "fsdptp<d>x<t>", "ours<n>", "ourshsdp<r>x<s>")
+PATTERNS = {  # kind -> (pattern, mesh dim names); the HSDP meshes are the ones parallel/fsdp.py reads
+    "fsdp": (r"fsdp(\d+)", ("dp",)),
+    "hsdp": (r"hsdp(\d+)x(\d+)", ("rep", "shard")),
+    "fsdptp": (r"fsdptp(\d+)x(\d+)", ("dp", "tp")),
+    "ours": (r"ours(\d+)", ("dp",)),
+    "ourshsdp": (r"ourshsdp(\d+)x(\d+)", ("rep", "shard")),
+}
 
 
 @dataclass(frozen=True)
 class Layout:
-    """One way of holding the model: its kind and its mesh dims."""
+    """One way of holding the model: who holds it (FSDP2 or our FSDP) and on which mesh."""
 
     text: str
-    kind: str  # fsdp, hsdp, fsdptp
+    kind: str  # a key of PATTERNS
     dims: tuple[tuple[str, int], ...]
 
     @property
@@ -72,19 +80,32 @@ class Layout:
         """A 1-D mesh over the layout's ranks: DCP's process group."""
         return (("w", self.world),)
 
+    @property
+    def ours(self) -> bool:
+        return self.kind.startswith("ours")
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks the batch is split over: all but tp."""
+        return math.prod(d for n, d in self.dims if n != "tp")
+
 
 def parse_layout(text: str) -> Layout:
-    if m := re.fullmatch(r"fsdp(\d+)", text):
-        return Layout(text, "fsdp", (("dp", int(m[1])),))
-    if m := re.fullmatch(r"hsdp(\d+)x(\d+)", text):
-        return Layout(text, "hsdp", (("rep", int(m[1])), ("dp", int(m[2]))))
-    if m := re.fullmatch(r"fsdptp(\d+)x(\d+)", text):
-        return Layout(text, "fsdptp", (("dp", int(m[1])), ("tp", int(m[2]))))
-    raise ConfigError(f"checkpoint layout {text!r} is not one of {', '.join(FORMS)} (e.g. fsdp4, hsdp2x4, fsdptp2x2)")
+    for kind, (pattern, names) in PATTERNS.items():
+        if m := re.fullmatch(pattern, text):
+            return Layout(text, kind, tuple(zip(names, map(int, m.groups()))))
+    raise ConfigError(f"checkpoint layout {text!r} is not one of {', '.join(FORMS)} "
+                      "(e.g. fsdp4, hsdp2x4, fsdptp2x2, ours3)")
 
 
 def layouts(cfg: Config) -> tuple[Layout, Layout]:
     return parse_layout(cfg.switch("save")), parse_layout(cfg.switch("load"))
+
+
+def state_format(cfg: Config) -> str:
+    """``torch``: FSDP2's ``get_state_dict`` keys; ``flat``: parallel/fsdp.py's keys, which both sides
+    can give, for a cell with our FSDP on one side."""
+    return "flat" if any(layout.ours for layout in layouts(cfg)) else "torch"
 
 
 def validate(cfg: Config) -> None:
@@ -93,13 +114,16 @@ def validate(cfg: Config) -> None:
     for layout in (save, load):
         if any(d < 1 for _, d in layout.dims):
             raise ConfigError(f"checkpoint layout {layout.text}: every degree must be at least 1")
-        dp = data_parallel_world(layout)
+        dp = layout.data_parallel
         if cfg.size("b") % dp:
             raise ConfigError(f"layout {layout.text} splits the batch b={cfg.size('b')} over {dp} data-parallel ranks: "
-                              f"choose b a multiple of {dp} (FSDP2 averages gradients, so shards must be equal)")
+                              f"choose b a multiple of {dp} (gradients are averaged, so the shards must be equal)")
         if layout.kind == "fsdptp" and cfg.size("f") % layout.dims[1][1]:
             raise ConfigError(f"layout {layout.text}: tp={layout.dims[1][1]} does not divide f={cfg.size('f')}: "
                               "choose f a multiple of tp (DTensor TP here assumes even tp shards)")
+    if cfg.dtype != "fp32" and state_format(cfg) == "flat":
+        raise ConfigError(f"{cfg.id}: cells with our FSDP run in fp32 (its bf16 mode is mixed precision with fp32 "
+                          "master weights, FSDP2 here keeps bf16 parameters): use dtype fp32")
     world = max(save.world, load.world)
     if cfg.mesh != (("w", world),):
         raise ConfigError(f"{cfg.id}: a checkpoint cell's mesh is the larger layout's world, w={world}, "
@@ -114,10 +138,6 @@ def meshes(cfg: Config) -> list[tuple[tuple[str, int], ...]]:
             if dims != cfg.mesh and dims not in out:
                 out.append(dims)
     return out
-
-
-def data_parallel_world(layout: Layout) -> int:
-    return layout.world // (layout.dims[1][1] if layout.kind == "fsdptp" else 1)
 
 
 class MLP(nn.Module):
@@ -173,56 +193,144 @@ def full_tensors(tensors: dict[str, torch.Tensor], group) -> dict[str, torch.Ten
     return out
 
 
-class Side:
-    """The model and AdamW held under one layout by FSDP2 (and DTensor TP): train, save, load, report."""
+def flat_key(name: str) -> str:
+    """parallel/fsdp.py's state key of a result name: ``param/w1`` -> ``model.w1``,
+    ``opt/exp_avg/w1`` -> ``optim.w1.exp_avg``."""
+    parts = name.split("/")
+    return f"model.{parts[1]}" if parts[0] == "param" else f"optim.{parts[2]}.{parts[1]}"
 
-    def __init__(self, ctx: RankContext, layout: Layout, params: dict[str, torch.Tensor]):
-        self.layout = layout
-        mesh = ctx.mesh(layout.dims)
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Side:
+    """The model and AdamW held under one layout: a training step, save, load, and its full state."""
+
+    optimizer: torch.optim.Optimizer
+
+    def __init__(self, ctx: RankContext, layout: Layout, fmt: str):
+        self.layout, self.fmt = layout, fmt
+        self.mesh = ctx.mesh(layout.dims)
         self.group = ctx.mesh(layout.whole).get_group("w")
-        self.model = MLP(params)
-        if layout.kind == "fsdptp":
-            parallelize_module(self.model, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
-            fully_shard(self.model, mesh=mesh["dp"])
-            self.dp_index, self.dp_size = mesh.get_local_rank("dp"), layout.dims[0][1]
-        else:  # fsdp: 1-D mesh; hsdp: 2-D (replicate, shard) mesh, the batch split over both
-            fully_shard(self.model, mesh=mesh)
-            self.dp_index, self.dp_size = self.group.rank(), layout.world  # row-major: rep * s + dp
-        self.optimizer = adamw(list(self.model.parameters()))
+        coords = dict(zip(self.mesh.mesh_dim_names, self.mesh.get_coordinate()))
+        self.dp_index = 0  # this rank's block of the batch: row-major over the data-parallel dims
+        for name, degree in layout.dims:
+            if name != "tp":
+                self.dp_index = self.dp_index * degree + coords[name]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The live state by result name (``param/w1``, ``opt/exp_avg/w1``, ``opt/step/w1``): DTensors
+        for what is sharded."""
+        raise NotImplementedError
 
     def step(self, x: torch.Tensor, probe: torch.Tensor) -> torch.Tensor:
-        """One AdamW step on this rank's batch shard; returns the loss over the whole batch."""
-        x, probe = (take(t, Shard(0), self.dp_size, self.dp_index) for t in (x, probe))
-        # FSDP2 averages gradients over the data-parallel ranks: each normalises by its own tokens
-        loss = probe_loss(self.model(x), probe, x.shape[0])
+        """One AdamW step on this rank's batch block; returns the loss over the whole batch."""
+        x, probe = (take(t, Shard(0), self.layout.data_parallel, self.dp_index) for t in (x, probe))
+        # both FSDPs average gradients over the data-parallel ranks: each normalises by its own rows
+        loss = probe_loss(self.forward(x), probe, x.shape[0])
         loss.backward()
         self.optimizer.step()
-        self.optimizer.zero_grad()
+        self.optimizer.zero_grad(set_to_none=True)
         total = loss.detach().clone()
         dist.all_reduce(total, group=self.group)  # tp ranks hold equal copies: the mean is still right
         return total / self.layout.world
 
     def state_dict(self) -> dict:
-        model, optimizer = get_state_dict(self.model, self.optimizer)
-        return {"model": model, "optim": optimizer}
+        """The state to save, or the template to load into (in :attr:`fmt`)."""
+        return {flat_key(name): t for name, t in self.tensors().items()}
+
+    def apply(self, loaded: dict) -> None:
+        """Take over a state loaded into a copy of :meth:`state_dict`."""
+        raise NotImplementedError
 
     def save(self, path: str) -> None:
         checkpoint_io.save(self.state_dict(), path, self.group)
 
     def load(self, path: str) -> None:
-        loaded = checkpoint_io.load(self.state_dict(), path, self.group)
-        set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        self.apply(checkpoint_io.load(self.state_dict(), path, self.group))
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter, AdamW moment and step count as a full tensor (a collective on the layout)."""
+        return full_tensors(self.tensors(), self.group)
+
+
+class FSDP2Side(Side):
+    """FSDP2 ``fully_shard`` over dp (1-D) or rep x shard (2-D: HSDP); for fsdptp, DTensor TP first."""
+
+    def __init__(self, ctx: RankContext, layout: Layout, fmt: str, params: dict[str, torch.Tensor]):
+        super().__init__(ctx, layout, fmt)
+        self.model = MLP(params)
+        if layout.kind == "fsdptp":
+            parallelize_module(self.model, self.mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+            fully_shard(self.model, mesh=self.mesh["dp"])
+        else:
+            fully_shard(self.model, mesh=self.mesh)
+        self.optimizer = adamw(list(self.model.parameters()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
         out = {}
         for module_name, p in self.model.named_parameters():
             name = NAMES[module_name]
             out[param_name(name)] = p
-            state = self.optimizer.state[p]
             for key in (*MOMENTS, "step"):
-                out[state_name(key, name)] = state[key]
-        return full_tensors(out, self.group)
+                out[state_name(key, name)] = self.optimizer.state[p][key]
+        return out
+
+    def state_dict(self) -> dict:
+        if self.fmt == "flat":
+            return super().state_dict()
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optimizer}
+
+    def apply(self, loaded: dict) -> None:
+        if self.fmt == "torch":
+            set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"],
+                           optim_state_dict=loaded["optim"])
+            return
+        with torch.no_grad():
+            for name, live in self.tensors().items():
+                _local(live).copy_(_local(loaded[flat_key(name)]))
+
+
+class OursSide(Side):
+    """parallel/fsdp.py's FSDP (or HSDP) on the layout's mesh; its own ``state_dict``/``load_state_dict``."""
+
+    def __init__(self, ctx: RankContext, layout: Layout, fmt: str, params: dict[str, torch.Tensor]):
+        super().__init__(ctx, layout, fmt)
+        # our FSDP reads its mesh from the context: give it one whose mesh is this layout's
+        view = RankContext(ctx.rank, MeshLayout.of(layout.dims), self.mesh, ctx.device, ctx.backend, ctx.scratch)
+        self.fsdp = FSDP(view, params, torch.float32)
+        self.optimizer = self.fsdp.optimizer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fsdp.forward(x)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        state = self.fsdp.state_dict()
+        out = {}
+        for name in PARAMS:
+            out[param_name(name)] = state[f"model.{name}"]
+            for key in (*MOMENTS, "step"):
+                out[state_name(key, name)] = state[f"optim.{name}.{key}"]
+        return out
+
+    def state_dict(self) -> dict:
+        return self.fsdp.state_dict()
+
+    def apply(self, loaded: dict) -> None:
+        self.fsdp.load_state_dict(loaded)
+
+
+def side(ctx: RankContext, layout: Layout, cfg: Config, params: dict[str, torch.Tensor]) -> Side:
+    kind = OursSide if layout.ours else FSDP2Side
+    return kind(ctx, layout, state_format(cfg), params)
 
 
 class RoundTripError(AssertionError):
@@ -261,24 +369,24 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     path = os.path.join(ctx.scratch, "checkpoint")
     saved = old = None
     if ctx.rank < save.world:
-        side = Side(ctx, save, problem.params)
-        side.step(*problem.batches[0])
-        side.save(path)
-        saved = side.full_state()
-        old_loss = side.step(*problem.batches[1])
-        old = side.full_state() | {"loss": old_loss}
+        held = side(ctx, save, cfg, problem.params)
+        held.step(*problem.batches[0])
+        held.save(path)
+        saved = held.full_state()
+        old_loss = held.step(*problem.batches[1])
+        old = held.full_state() | {"loss": old_loss}
     # the load side reads what the coordinator of the save side wrote: all of it must be there
     dist.barrier(group=ctx.group("w"))
     result = None
     if ctx.rank < load.world:
-        side = Side(ctx, load, problem.target_params)
+        held = side(ctx, load, cfg, problem.target_params)
         for batch in problem.target_batches:
-            side.step(*batch)
-        before = side.full_state()
-        side.load(path)
-        loaded = side.full_state()
-        loss = side.step(*problem.batches[1])
-        resumed = side.full_state() | {"loss": loss}
+            held.step(*batch)
+        before = held.full_state()
+        held.load(path)
+        loaded = held.full_state()
+        loss = held.step(*problem.batches[1])
+        resumed = held.full_state() | {"loss": loss}
         result = {f"loaded/{k}": v for k, v in loaded.items()} | {f"resumed/{k}": v for k, v in resumed.items()}
         result = {k: v for k, v in result.items() if "/opt/step/" not in k}
     if load.world < ctx.layout.world:  # ranks outside the load layout return rank 0's copy
