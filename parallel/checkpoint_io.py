@@ -90,8 +90,9 @@ def _write_manifest(directory: str, metadata: Metadata) -> None:
 def verify(path: str) -> Metadata:
     """Check that ``path`` holds a complete, intact checkpoint; return its DCP metadata."""
     if not os.path.isdir(path):
-        partial = sorted(p for p in os.listdir(os.path.dirname(path) or ".")
-                         if p.startswith(os.path.basename(path) + ".partial-")) if os.path.isdir(os.path.dirname(path) or ".") else []
+        parent, name = os.path.split(path)
+        partial = sorted(p for p in os.listdir(parent or ".") if p.startswith(f"{name}.partial-")) \
+            if os.path.isdir(parent or ".") else []
         hint = f" (found {partial}: a save that did not complete)" if partial else ""
         raise CheckpointError(f"no checkpoint at {path}: the directory does not exist{hint}")
     manifest_path = os.path.join(path, MANIFEST)
