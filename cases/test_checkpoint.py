@@ -8,8 +8,9 @@ A cell is an ordered pair of layouts, saved under the first and loaded under the
   2x4 (replicas of each shard), FSDP x TP 2x2 and 4x2 (2-D DTensors, tp inside the dp shard). A
   reshard bug tends to depend on both sides' cuts, so every pair, not a sample.
 * our FSDP (parallel/fsdp.py) against FSDP2, both directions (18 cells): ours over 3 (uneven) and 8
-  (empty shards) ranks and HSDP 2x2, against FSDP2 over 2 ranks, HSDP 2x4 and FSDP x TP 4x2, which
-  between them cut every tensor differently from each of ours. Such cells use our FSDP's state keys.
+  (empty shards) ranks and HSDP 2x2, against FSDP2 over 2 ranks, HSDP 2x2 and FSDP x TP 2x2, which
+  between them cut every tensor differently from each of ours (and keep 12 of the 18 cells at
+  world 4 or less). Such cells use our FSDP's state keys.
 * fp32 only: a checkpoint holds the fp32 master state, and the load must restore it bit for bit.
 """
 import pytest
@@ -20,7 +21,7 @@ from reference.checkpoint import SIZES
 
 FSDP2 = ["fsdp1", "fsdp2", "fsdp3", "fsdp4", "fsdp8", "hsdp2x2", "hsdp2x4", "fsdptp2x2", "fsdptp4x2"]
 OURS = ["ours3", "ours8", "ourshsdp2x2"]
-PARTNERS = ["fsdp2", "hsdp2x4", "fsdptp4x2"]
+PARTNERS = ["fsdp2", "hsdp2x2", "fsdptp2x2"]
 
 
 def cell(save: str, load: str) -> Config:

@@ -16,7 +16,7 @@ import torch
 
 from harness.config import Config
 from harness.pool import CaseFailure
-from parallel.checkpoint import _local, full_tensors, parse_layout, side
+from parallel.checkpoint import _local, parse_layout, side
 from parallel.checkpoint_io import MANIFEST, METADATA, CheckpointError
 from reference.checkpoint import SIZES, make_problem
 
@@ -75,8 +75,8 @@ def dying_save_task(ctx, payload):
     save_task(ctx, (path, SIZES, "fsdp2"))
 
 
-def full_tensors_task(ctx, layouts):
-    """``full_tensors`` (one gather, by DTensor offsets) against ``full_tensor()`` on each layout."""
+def full_state_task(ctx, layouts):
+    """``full_state`` (one gather, placed by DTensor's offsets) against ``full_tensor()`` on each layout."""
     out = {}
     cfg = _cfg()
     problem = make_problem(cfg)
@@ -86,7 +86,7 @@ def full_tensors_task(ctx, layouts):
             continue
         held = side(ctx, layout, cfg, problem.params)
         held.step(*problem.batches[0])
-        mine = full_tensors(held.tensors(), held.group)
+        mine = held.full_state()
         out[text] = all(torch.equal(mine[k], t.full_tensor() if hasattr(t, "full_tensor") else t)
                         for k, t in held.tensors().items())
     return out
@@ -191,11 +191,11 @@ def test_save_killed_midway_leaves_nothing_that_loads(small_pool, tmp_path, vict
                      "(a save that was interrupted leaves no manifest)")
 
 
-def test_full_tensors_agrees_with_full_tensor(small_pool):
+def test_full_state_agrees_with_full_tensor(small_pool):
     layouts = ["fsdp1", "fsdp3", "fsdp4", "hsdp2x2", "fsdptp2x2", "ours3", "ourshsdp2x2"]
     meshes = []
     for text in layouts:
         layout = parse_layout(text)
         meshes += [m for m in (layout.dims, layout.whole) if m not in meshes and m != (("w", 4),)]
-    out = small_pool.run("tests.test_checkpoint_faults:full_tensors_task", layouts, (("w", 4),), extra_meshes=meshes)
+    out = small_pool.run("tests.test_checkpoint_faults:full_state_task", layouts, (("w", 4),), extra_meshes=meshes)
     assert out[0] == {text: True for text in layouts}
