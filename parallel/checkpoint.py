@@ -5,24 +5,29 @@ Read beside ``reference/checkpoint.py``, where the whole round trip is the ident
 AdamW steps. Here one cell is an ordered pair of layouts (switches ``save`` and ``load``):
 
     fsdp<n>          FSDP2 ``fully_shard`` over a ``dp=n`` mesh                (dim-0 shards, uneven)
-    hsdp<r>x<s>      FSDP2 over a ``rep=r, dp=s`` mesh: replicate x shard
+    hsdp<r>x<s>      FSDP2 over a ``rep=r, shard=s`` mesh: replicate x shard
     fsdptp<d>x<t>    DTensor ``parallelize_module`` over ``tp=t`` (w1 column-, w2 row-parallel),
                      then ``fully_shard`` over ``dp=d``
+    ours<n>          our FSDP (parallel/fsdp.py) over ``dp=n``
+    ourshsdp<r>x<s>  our HSDP over ``rep=r, shard=s``
 
 The cell's mesh is ``w=<the larger world>``; the two layout meshes are declared through
 ``meshes(cfg)`` and fetched with ``ctx.mesh``. Ranks outside a layout sit its phase out: every DCP
 collective runs on the layout's own whole group (``w=<its world>``), never on the default group.
+FSDP2 pairs save PyTorch's own ``get_state_dict``; a pair with our FSDP on one side saves our
+FSDP's keys (``model.w1``, ``optim.w1.exp_avg``, ...), which both sides can give and take.
 
 1. save side: step 1 on batch 1, ``checkpoint_io.save`` into ``ctx.scratch``, note the full state
    (what was saved), then step 2 on the old layout.
-2. load side: a different target state (other parameters, two steps on other batches), which must
-   differ from the saved state in every tensor; ``checkpoint_io.load``; the full state must equal the
-   saved one bit for bit; then step 2 on the new layout, which must equal step 2 on the old layout
-   within the tolerance policy.
+2. load side: a different target state (other parameters, two steps on other batches);
+   ``checkpoint_io.load``; every tensor a rank holds must have changed; the full state must equal
+   the saved one bit for bit; then step 2 on the new layout, which must equal step 2 on the old
+   layout within the tolerance policy.
 
-Checks 1-2 run on rank 0 (in every layout) at the end, so a failure is one rank's clear error and
-never a hang. The results (state after load, the resumed step and the state after it) are full
-tensors, compared with the reference by the harness like any other cell.
+The checks run last (the bit and step checks on rank 0, which is in every layout), so a failure is
+a clear error and never leaves a rank waiting in a collective. The results (state after load, the
+resumed step and the state after it) are full tensors, compared with the reference by the harness
+like any other cell.
 """
 from __future__ import annotations
 
