@@ -23,6 +23,9 @@ uneven shards too. :meth:`FSDP.state_dict` returns the model and AdamW state in 
 ``torch.distributed.checkpoint`` to save or load in place; :meth:`FSDP.load_state_dict` copies such
 a state back into the shards. Keys: ``model.<p>``, ``optim.<p>.exp_avg``, ``optim.<p>.exp_avg_sq``
 (DTensors) and ``optim.<p>.step`` (a plain scalar tensor), for p in w1, b1, w2, b2.
+``parallel/fsdp_torch.py:state_dict`` gives the same keys for FSDP2, so a checkpoint crosses over.
+On a mesh smaller than the pool, pass ``dcp.save/load`` a ``process_group`` spanning the mesh's
+ranks (the default group is the whole pool, whose idle ranks would never join).
 
 The algorithm
 -------------
@@ -30,7 +33,9 @@ The algorithm
   chunk: that is the buffer it sends, since gloo's all-gather needs equal sizes.
 * A layer's forward all-gathers its parameters (cast to the compute dtype first: bf16 under mixed
   precision, so the wire carries bf16) and frees the full tensors when it returns: autograd saves a
-  handle instead of the full weight (``saved_tensors_hooks``), and the backward all-gathers again.
+  handle instead of the full weight (``saved_tensors_hooks``), and the backward all-gathers again
+  each weight it needs (W2, to pass the gradient to the hidden layer; not W1, whose input needs no
+  gradient, nor the biases).
 * :class:`GatherParam` states the pair: forward all-gather over the shard group, backward
   reduce-scatter over the shard group, then all-reduce over ``rep``, divided by the whole
   data-parallel world (the local loss is a mean over the rank's rows, so the gradient is the mean
@@ -50,6 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as DShard
 
@@ -121,12 +127,15 @@ class DPGroups:
     index: int  # this rank's block of the batch
 
     @classmethod
-    def of(cls, ctx: RankContext) -> "DPGroups":
-        names = ctx.layout.names
-        shard = ctx.group(shard_dim(names))
-        rep = ctx.group("rep") if "rep" in names else None
-        s, r = ctx.degree(shard_dim(names)), ctx.degree("rep")
-        return cls(shard, rep, s * r, ctx.coord("rep") * s + ctx.coord(shard_dim(names)))
+    def of(cls, mesh: DeviceMesh) -> "DPGroups":
+        """The groups of a ``dp`` or ``(rep, shard)`` DeviceMesh (the cell's, or a declared extra one)."""
+        names = mesh.mesh_dim_names
+        sd = shard_dim(names)
+        s, c = mesh.size(names.index(sd)), mesh.get_local_rank(sd)
+        rep, r, rc = None, 1, 0
+        if "rep" in names:
+            rep, r, rc = mesh.get_group("rep"), mesh.size(names.index("rep")), mesh.get_local_rank("rep")
+        return cls(mesh.get_group(sd), rep, s * r, rc * s + c)
 
 
 class FSDPParam:
@@ -188,14 +197,12 @@ class GatherParam(torch.autograd.Function):
 class FSDP:
     """The reference MLP, each linear layer one FSDP unit over this rank's data-parallel groups."""
 
-    def __init__(self, ctx: RankContext, params: dict[str, torch.Tensor], compute_dtype: torch.dtype):
-        self.groups = DPGroups.of(ctx)
+    def __init__(self, mesh: DeviceMesh, params: dict[str, torch.Tensor], compute_dtype: torch.dtype):
+        self.mesh, self.groups = mesh, DPGroups.of(mesh)
         self.compute_dtype = compute_dtype
         self.params = {k: FSDPParam(k, params[k].float(), self.groups, compute_dtype) for k in PARAMS}
         self.optimizer = adamw([p.shard for p in self.params.values()])
-        names = ctx.layout.names
-        self.mesh = ctx.device_mesh
-        self.placements = [Replicate(), DShard(0)] if "rep" in names else [DShard(0)]
+        self.placements = [Replicate(), DShard(0)] if "rep" in mesh.mesh_dim_names else [DShard(0)]
 
     def _unit(self, names: tuple[str, ...], fn, x: torch.Tensor) -> torch.Tensor:
         """Run ``fn(full params, x)`` with the unit's parameters gathered; autograd keeps no full
@@ -296,13 +303,13 @@ class FSDP:
             dest = target.to_local() if isinstance(target, DTensor) else target
             if local.shape != dest.shape:
                 raise ValueError(f"{key}: local shard of shape {tuple(local.shape)}, this rank holds {tuple(dest.shape)}")
-            if dest.data_ptr() != local.data_ptr() or dest.numel() == 0:
-                dest.copy_(local)
+            dest.copy_(local)  # a no-op where dcp.load already wrote into the shard itself
 
 
-def build(ctx: RankContext, cfg: Config) -> FSDP:
-    """Our FSDP of ``cfg``'s problem on this rank, before any step."""
-    return FSDP(ctx, make_problem(cfg).params, MIXED[cfg.dtype])
+def build(ctx: RankContext, cfg: Config, mesh: DeviceMesh | None = None) -> FSDP:
+    """Our FSDP of ``cfg``'s problem on this rank, before any step, on ``mesh`` (a ``dp`` or
+    ``(rep, shard)`` DeviceMesh; default the cell's own, ``ctx.device_mesh``)."""
+    return FSDP(ctx.device_mesh if mesh is None else mesh, make_problem(cfg).params, MIXED[cfg.dtype])
 
 
 def local_rows(t: torch.Tensor, groups: DPGroups) -> torch.Tensor:
@@ -329,7 +336,7 @@ def step_pieces(step: int, loss, norm, grads: dict, shards: dict, opt_state: dic
 def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     """Three FSDP/HSDP training steps on this rank; returns every step's pieces."""
     problem = make_problem(cfg)
-    model = FSDP(ctx, problem.params, MIXED[cfg.dtype])
+    model = build(ctx, cfg)
     placement = {shard_dim(ctx.layout.names): Shard(0)}
     pieces: dict[str, Piece] = {}
     for k in range(STEPS):

@@ -10,8 +10,8 @@ third (which owns no parameters of its own), on the same meshes as ``parallel/fs
 
 Mixed precision (dtype bf16) is ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
 accumulation uses ``set_requires_gradient_sync(False)`` for every microbatch but the last; clipping is
-``torch.nn.utils.clip_grad_norm_`` on the DTensor gradients. Results are gathered to full tensors with
-``full_tensor()`` and returned as replicated pieces.
+``torch.nn.utils.clip_grad_norm_`` on the DTensor gradients. Results are each rank's local shards
+(so the parent also checks that FSDP2 cuts dim 0 as torch.chunk does), or full tensors with tp.
 
 :func:`state_dict` gives the same keys as ``parallel.fsdp.FSDP.state_dict`` (``model.w1``,
 ``optim.w1.exp_avg``, ...), holding FSDP2's own DTensors, so a checkpoint saved by one
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -33,7 +34,7 @@ from harness.layout import Piece, Shard, take
 from reference.common import adamw, probe_loss
 from reference.fsdp import MAX_NORM, STEPS, make_problem
 
-from .fsdp import dp_world, step_pieces
+from .fsdp import dp_world, shard_dim, step_pieces
 
 # module parameter name -> the reference's name
 NAMES = {"l1.weight": "w1", "l1.bias": "b1", "l2.weight": "w2", "l2.bias": "b2"}
@@ -58,18 +59,20 @@ class MLP(nn.Module):
         return self.l2(F.gelu(self.l1(x)))
 
 
-def build(ctx: RankContext, cfg: Config) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The FSDP2 model (fp32 master parameters) and its AdamW on this rank, before any step."""
+def build(ctx: RankContext, cfg: Config, mesh: DeviceMesh | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The FSDP2 model (fp32 master parameters) and its AdamW on this rank, before any step, on
+    ``mesh`` (``dp``, ``(rep, shard)`` or ``(dp, tp)``; default the cell's own, ``ctx.device_mesh``)."""
     model = MLP({k: t.float() for k, t in make_problem(cfg).params.items()})
-    names = ctx.layout.names
+    device_mesh = ctx.device_mesh if mesh is None else mesh
+    names = device_mesh.mesh_dim_names
     if "tp" in names:
         # l1's output stays a DTensor: re-wrapping a local shard (the default) would assume even shards,
         # and f=13 over tp=2 is 7/6
         plan = {"l1": ColwiseParallel(use_local_output=False), "l2": RowwiseParallel()}
-        parallelize_module(model, ctx.device_mesh["tp"], plan)
-        mesh = ctx.device_mesh["dp"]
+        parallelize_module(model, device_mesh["tp"], plan)
+        mesh = device_mesh["dp"]
     else:
-        mesh = ctx.device_mesh  # 1-D dp, or 2-D (rep, shard): HSDP
+        mesh = device_mesh  # 1-D dp, or 2-D (rep, shard): HSDP
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.dtype == "bf16" else None,
                                   reduce_dtype=torch.float32)
     for layer in (model.l1, model.l2):
@@ -99,12 +102,38 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def _dp_groups(ctx: RankContext) -> list:
-    return [ctx.group(n) for n in ctx.layout.names if n != "tp"]
+def _results(t: torch.Tensor, tp: bool) -> torch.Tensor:
+    """What a rank reports of a parameter-shaped DTensor: its local dim-0 shard as FSDP2 holds it
+    (the parent checks it against torch.chunk's cut), or with tp the full tensor (FSDP2 keeps
+    dp x tp parameters as strided shards, which a Piece does not describe)."""
+    return _full(t) if tp else t.to_local().detach()
+
+
+def train_step(mesh: DeviceMesh, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+               probe: torch.Tensor, microbatches: int):
+    """One optimizer step on this rank's rows (``mesh``: the one the model was built on); returns the
+    global loss, the gradient norm before clipping and the gradients before clipping (by reference
+    name: local shards, or full tensors with tp)."""
+    names = mesh.mesh_dim_names
+    params = dict(model.named_parameters())
+    loss = torch.zeros(())
+    for i, (xm, pm) in enumerate(zip(x.chunk(microbatches), probe.chunk(microbatches))):
+        model.set_requires_gradient_sync(i == microbatches - 1)
+        mb_loss = probe_loss(model(xm.float()), pm, x.shape[0])  # a mean over this rank's rows
+        mb_loss.backward()
+        loss += mb_loss.detach()
+    grads = {NAMES[n]: _results(p.grad, "tp" in names).clone() for n, p in params.items()}
+    norm = _full(torch.nn.utils.clip_grad_norm_(list(params.values()), MAX_NORM, foreach=False))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for n in names:
+        if n != "tp":
+            dist.all_reduce(loss, group=mesh.get_group(n))
+    return loss / dp_world(zip(names, mesh.shape)), norm, grads
 
 
 def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
-    """Three FSDP2 training steps; returns every step's results as full (replicated) pieces."""
+    """Three FSDP2 training steps; returns every step's results (see ``_results``)."""
     problem = make_problem(cfg)
     model, optimizer = build(ctx, cfg)
     names = [n for n in ctx.layout.names if n != "tp"]
@@ -112,27 +141,16 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     index = 0
     for n in names:  # row-major block index over the data-parallel dims
         index = index * ctx.degree(n) + ctx.coord(n)
-    m = cfg.size("m")
     params = dict(model.named_parameters())
+    tp = "tp" in ctx.layout.names
+    placement = {} if tp else {shard_dim(names): Shard(0)}
     pieces: dict[str, Piece] = {}
     for k in range(STEPS):
         x, probe = (take(t[k], Shard(0), world, index) for t in (problem.x, problem.probe))
-        rows = x.shape[0]
-        loss = torch.zeros(())
-        for i, (xm, pm) in enumerate(zip(x.chunk(m), probe.chunk(m))):
-            model.set_requires_gradient_sync(i == m - 1)
-            mb_loss = probe_loss(model(xm.float()), pm, rows)  # a mean over this rank's rows
-            mb_loss.backward()
-            loss += mb_loss.detach()
-        grads = {NAMES[n]: _full(p.grad) for n, p in params.items()}
-        norm = _full(torch.nn.utils.clip_grad_norm_(list(params.values()), MAX_NORM, foreach=False))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        for group in _dp_groups(ctx):
-            dist.all_reduce(loss, group=group)
-        shards = {NAMES[n]: _full(p) for n, p in params.items()}
-        opt = {NAMES[n]: {key: _full(optimizer.state[p][key]) for key in ("exp_avg", "exp_avg_sq")}
+        loss, norm, grads = train_step(ctx.device_mesh, model, optimizer, x, probe, cfg.size("m"))
+        shards = {NAMES[n]: _results(p, tp) for n, p in params.items()}
+        opt = {NAMES[n]: {key: _results(optimizer.state[p][key], tp) for key in ("exp_avg", "exp_avg_sq")}
                for n, p in params.items()}
         full_shapes = {name: tuple(t.shape) for name, t in problem.params.items()}
-        pieces |= step_pieces(k + 1, loss / world, norm, grads, shards, opt, full_shapes, {})
+        pieces |= step_pieces(k + 1, loss, norm, grads, shards, opt, full_shapes, placement)
     return pieces
