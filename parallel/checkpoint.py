@@ -48,7 +48,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from harness.config import Config, ConfigError
 from harness.context import RankContext
-from harness.layout import MeshLayout, Piece, Shard, take
+from harness.layout import Piece, Shard, take
 from harness.tolerance import Tolerances
 from reference.checkpoint import MOMENTS, PARAMS, make_problem, reduction_size
 from reference.common import adamw, param_name, probe_loss, state_name
@@ -328,9 +328,7 @@ class OursSide(Side):
 
     def __init__(self, ctx: RankContext, layout: Layout, fmt: str, params: dict[str, torch.Tensor]):
         super().__init__(ctx, layout, fmt)
-        # our FSDP reads its mesh from the context: give it one whose mesh is this layout's
-        view = RankContext(ctx.rank, MeshLayout.of(layout.dims), self.mesh, ctx.device, ctx.backend, ctx.scratch)
-        self.fsdp = FSDP(view, params, torch.float32)
+        self.fsdp = FSDP(self.mesh, params, torch.float32)  # on the layout's declared mesh
         self.optimizer = self.fsdp.optimizer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
