@@ -64,3 +64,14 @@ register_component(Component(
         "torch": Implementation("torch", "parallel.pipeline_torch:run", skip="parallel.pipeline_torch:skip_reason"),
     },
 ))
+
+register_component(Component(
+    name="ckpt",
+    reference="reference.checkpoint:reference",
+    validate="parallel.checkpoint:validate",
+    reduction="reference.checkpoint:reduction_size",
+    meshes="parallel.checkpoint:meshes",
+    implementations={
+        "dcp": Implementation("dcp", "parallel.checkpoint:run"),
+    },
+))
