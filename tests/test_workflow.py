@@ -11,7 +11,7 @@ import pytest
 from .ci_project import ROOT
 
 WORKFLOW = ROOT / ".github" / "workflows" / "parity.yml"
-README_INSTALL = "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e ."
+README_INSTALL = "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e '.[thirdparty]'"
 
 
 def actionlint() -> str | None:
