@@ -32,6 +32,7 @@ from .config import Config
 from .layout import MeshLayout
 from .pool import Pool
 from .registry import validate
+from reference.checkpoint import SIZES as CKPT_SIZES
 
 TP_MLP = Config("tp", "ours", {"tp": 4}, "fp32", dict(b=4, s=8, h=16, f=32, v=40), {"op": "mlp"})
 # One representative cell per component, timed warm (run, assemble, compare with the cached reference).
@@ -41,6 +42,10 @@ CELLS = {
                        {"mask": "causal", "layout": "zigzag", "gqa": "on"}),
     "moe_ep4": Config("moe", "ours", {"ep": 4}, "fp32", dict(t=24, h=8, f=16, e=8, k=2),
                       {"emesh": "dense", "cap": "125", "score": "softmax", "norm": "on", "route": "rand"}),
+    "pp4_interleaved": Config("pp", "ours", {"pp": 4}, "fp32", dict(b=8, s=4, h=8, f=16, v=24, l=8, m=8, vs=2),
+                              {"sched": "interleaved", "tied": "on"}),
+    "hsdp_2x2": Config("fsdp", "ours", {"rep": 2, "shard": 2}, "fp32", dict(b=72, h=6, f=13, o=5, m=1)),
+    "ckpt_fsdp3_to_hsdp2x4": Config("ckpt", "dcp", {"w": 8}, "fp32", CKPT_SIZES, {"save": "fsdp3", "load": "hsdp2x4"}),
 }
 
 
