@@ -79,10 +79,12 @@ class Layer(nn.Module):
 
     def parameter_names(self) -> dict[str, str]:
         """Module parameter name -> the reference's parameter name."""
-        names = {"lin.weight": "w", "lin.bias": "b", "w1.weight": "w1", "w1.bias": "b1", "w2.weight": "w2",
-                 "w2.bias": "b2", "norm.weight": "ln_w", "norm.bias": "ln_b", "emb.weight": "emb",
-                 "head.weight": "head"}
-        return {k: names[k] for k, _ in self.named_parameters()}
+        return {k: PARAMETER_NAMES[k] for k, _ in self.named_parameters()}
+
+
+PARAMETER_NAMES = {"lin.weight": "w", "lin.bias": "b", "w1.weight": "w1", "w1.bias": "b1", "w2.weight": "w2",
+                   "w2.bias": "b2", "norm.weight": "ln_w", "norm.bias": "ln_b", "emb.weight": "emb",
+                   "head.weight": "head"}
 
 
 PLANS = {

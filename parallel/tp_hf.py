@@ -42,10 +42,11 @@ from harness.config import Config
 from harness.context import RankContext
 from harness.layout import Piece, Shard, take
 from reference.common import grad_name, param_name, probe_loss
-from reference.tp import LN_EPS, make_problem
+from reference.tp import make_problem
 
 from .step import reduce_and_step
 from .tp import INPUT_PLAN, OUTPUT_PLAN
+from . import tp_dtensor as dtensor
 from .tp_dtensor import _linear
 
 try:  # imported here so the pool's zygote pays for it once; absent, every cell skips in the parent
@@ -94,49 +95,26 @@ class _Bias(nn.Module):
         self.bias = nn.Parameter(b.clone())
 
 
-class Layer(nn.Module):
-    """The op of ``reference.tp.forward`` as modules, for transformers' plan to name."""
+class Layer(dtensor.Layer):
+    """The op of ``reference.tp.forward`` as modules, for transformers' plan to name: DTensor's
+    modules, plus the layouts only transformers' styles take (local_params MLP, packed gate/up)."""
 
     def __init__(self, op: str, style: str, p: dict[str, torch.Tensor], tp_group=None):
-        super().__init__()
-        self.op, self.style, self.tp_group = op, style, tp_group
-        if op in ("colgather", "colshard", "rowsplit", "rowshard"):
-            self.lin = _linear(p["w"], p["b"])
-        elif op == "mlp" and style == "localparams":
+        super().__init__(op, p)
+        self.style, self.tp_group = style, tp_group
+        if op == "mlp" and style == "localparams":
+            del self.w1, self.w2
             self.reduce, self.b2 = _Reduce(p), _Bias(p["b2"])
-        elif op in ("mlp", "sp"):
-            self.w1, self.w2 = _linear(p["w1"], p["b1"]), _linear(p["w2"], p["b2"])
-            if op == "sp":
-                self.norm = nn.LayerNorm(p["ln_w"].shape[0], eps=LN_EPS, dtype=p["ln_w"].dtype)
-                with torch.no_grad():
-                    self.norm.weight.copy_(p["ln_w"])
-                    self.norm.bias.copy_(p["ln_b"])
-        elif op == "embed":
-            self.emb = nn.Embedding.from_pretrained(p["emb"].clone(), freeze=False)
-        elif op == "xent":
-            self.head = _linear(p["head"], None)
         elif op == "gateup":
-            if style == "packedrow":
-                self.gate_up = _Lin(p["w_gu"].t().contiguous())
-            else:
-                self.gate_up = _linear(p["w_gu"], None)
+            self.gate_up = _Lin(p["w_gu"].t().contiguous()) if style == "packedrow" else _linear(p["w_gu"], None)
             self.down = _linear(p["w_down"], p["b_down"])
 
     def forward(self, x, ids=None):
-        op = self.op
-        if op in ("colgather", "colshard", "rowsplit", "rowshard"):
-            return self.lin(x)
-        if op == "mlp" and self.style == "localparams":
+        if self.op == "mlp" and self.style == "localparams":
             # replicated input, sharded weights: its gradient is partial on each rank
             return self.reduce(_AllReduceBackward.apply(x, self.tp_group)) + self.b2.bias
-        if op == "mlp":
-            return self.w2(F.gelu(self.w1(x)))
-        if op == "sp":
-            return x + self.w2(F.gelu(self.w1(self.norm(x))))
-        if op == "embed":
-            return self.emb(ids)
-        if op == "xent":
-            return self.head(x)
+        if self.op != "gateup":
+            return super().forward(x, ids)
         if self.style == "packedrow":
             x = _AllReduceBackward.apply(x, self.tp_group)  # as moe_tp_experts does for its input
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -144,10 +122,8 @@ class Layer(nn.Module):
 
     def parameter_names(self) -> dict[str, str]:
         """Module parameter name -> the reference's parameter name."""
-        names = {"lin.weight": "w", "lin.bias": "b", "w1.weight": "w1", "w1.bias": "b1", "w2.weight": "w2",
-                 "w2.bias": "b2", "norm.weight": "ln_w", "norm.bias": "ln_b", "emb.weight": "emb",
-                 "head.weight": "head", "gate_up.weight": "w_gu", "down.weight": "w_down", "down.bias": "b_down",
-                 "reduce.core.w1": "w1", "reduce.core.b1": "b1", "reduce.core.w2": "w2",
+        names = {**dtensor.PARAMETER_NAMES, "gate_up.weight": "w_gu", "down.weight": "w_down",
+                 "down.bias": "b_down", "reduce.core.w1": "w1", "reduce.core.b1": "b1", "reduce.core.w2": "w2",
                  "b2.bias": "b2"}
         return {k: names[k] for k, _ in self.named_parameters()}
 
