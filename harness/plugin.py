@@ -129,7 +129,7 @@ def pytest_collection_finish(session):
     this process pays its own lazy imports."""
     _check_implementations()  # registrations made by conftests collected late
     users = [item for item in session.items if "rank_pool" in getattr(item, "fixturenames", ())]
-    if users:
+    if users and not session.config.option.collectonly:
         from .pool import default_preload
 
         cfgs = [_cell_config(item) for item in users]
