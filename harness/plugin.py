@@ -37,8 +37,9 @@ def pytest_addoption(parser):
                     help=f"seconds a cell may run before its ranks' stacks are taken and it fails (default {DEFAULT_DEADLINE:g})")
     group.addoption("--golden-dir", default=None, help="where golden files live (default: <rootdir>/golden)")
     group.addoption("--quick", action="store_true",
-                    help="the edit loop: of each component and implementation, only the cells on its smallest "
-                         "mesh of more than one rank (every dtype and switch); the full matrix stays the gate")
+                    help="the edit loop: of each component and implementation, a few cells on its smallest mesh of "
+                         "more than one rank, covering every dtype and switch value, and no other test that needs "
+                         "the rank pool; the full matrix stays the gate")
 
 
 def _usage(option: str, value, why: str) -> pytest.UsageError:
@@ -78,13 +79,23 @@ def _cell_config(item) -> Config | None:
 
 
 def quick_selection(cfgs: list[Config]) -> set[Config]:
-    """Per (component, implementation): the cells on the smallest mesh world above one (or the
-    only world there is). Small, yet every component, implementation, dtype and switch is there."""
+    """Per (component, implementation): cells on the smallest mesh world above one (or the only
+    world there is), picked in order until every such mesh, dtype and switch value appears once.
+    Small, yet every component, implementation, dtype and switch value is exercised."""
     worlds: dict[tuple[str, str], set[int]] = defaultdict(set)
     for cfg in cfgs:
         worlds[cfg.component, cfg.impl].add(cfg.world)
-    keep = {key: min([w for w in ws if w > 1] or ws) for key, ws in worlds.items()}
-    return {cfg for cfg in cfgs if cfg.world == keep[cfg.component, cfg.impl]}
+    smallest = {key: min([w for w in ws if w > 1] or ws) for key, ws in worlds.items()}
+    keep, seen = set(), set()
+    for cfg in cfgs:
+        key = (cfg.component, cfg.impl)
+        if cfg.world != smallest[key]:
+            continue
+        features = {(key, "mesh", cfg.mesh), (key, "dtype", cfg.dtype)} | {(key, k, v) for k, v in cfg.switches}
+        if features - seen:
+            keep.add(cfg)
+            seen |= features
+    return keep
 
 
 def pytest_collection_modifyitems(config, items):
@@ -94,7 +105,9 @@ def pytest_collection_modifyitems(config, items):
     selected, deselected = [], []
     for item in items:
         cfg = _cell_config(item)
-        (selected if cfg is None or cfg in keep else deselected).append(item)
+        # besides the chosen cells, drop other tests that need the rank pool (mesh-layout checks)
+        wanted = cfg in keep if cfg is not None else "rank_pool" not in getattr(item, "fixturenames", ())
+        (selected if wanted else deselected).append(item)
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
