@@ -145,7 +145,7 @@ def expert_placements(cfg: Config, name: str) -> dict[str, Shard]:
     lay = layout(cfg)
     if cfg.switch("emesh") == "dense":
         return {"ep": Shard(0)} | ({"etp": Shard(FFN_DIM[name])} if lay.etp > 1 else {})
-    dp, tp = cfg.degree("dp"), cfg.degree("tp")
+    tp = cfg.degree("tp")
     if lay.etp > 1:  # ep coordinate = dp coordinate % ep; the dense tp ranks are the etp shards
         return {"dp": Shard(0, inner=lay.ep), "tp": Shard(FFN_DIM[name])}
     if tp % lay.ep == 0:  # ep inside each tp line: ep coordinate = tp coordinate % ep

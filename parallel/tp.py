@@ -51,6 +51,16 @@ INPUT_PLAN = {"rowshard": Shard(2), "sp": Shard(1)}
 OUTPUT_PLAN = {"colshard": Shard(2), "sp": Shard(1), "xent": Shard(2)}
 
 
+BATCH = Shard(0)  # every tp cell splits the batch over dp
+
+
+def local_batch(ctx: RankContext, t: torch.Tensor, tp_shard: Shard | None = None) -> torch.Tensor:
+    """This rank's rows of the batch (over dp), then its shard over tp (None: all of it).
+
+    Every implementation of the tp component cuts its inputs and probe this way."""
+    return take(take(t, BATCH, ctx.degree("dp"), ctx.coord("dp")), tp_shard, ctx.degree("tp"), ctx.coord("tp"))
+
+
 def validate(cfg: Config) -> None:
     """Rules of the tp component, checked before any rank runs."""
     op = cfg.switch("op")
@@ -140,36 +150,33 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     tp = ctx.group("tp") if "tp" in ctx.layout.names else None
     dp = ctx.group("dp") if "dp" in ctx.layout.names else None
     n, c = ctx.degree("tp"), ctx.coord("tp")
-    batch = Shard(0)
 
-    def local_batch(t, tp_shard=None):  # this rank's rows of the batch, then its tp shard
-        return take(take(t, batch, ctx.degree("dp"), ctx.coord("dp")), tp_shard, n, c)
 
     plan = PARAM_PLAN[op]
     params = {k: take(t, plan[k], n, c).requires_grad_() for k, t in problem.params.items()}
-    inputs = {k: local_batch(t) for k, t in problem.inputs.items()}
+    inputs = {k: local_batch(ctx, t) for k, t in problem.inputs.items()}
     x = None
     if "x" in problem.inputs:
-        x = local_batch(problem.inputs["x"], INPUT_PLAN.get(op)).requires_grad_()
+        x = local_batch(ctx, problem.inputs["x"], INPUT_PLAN.get(op)).requires_grad_()
     out = forward(op, params, x, inputs, tp, cfg)
     if op == "xent":
         per_token = vocab_parallel_cross_entropy(out, inputs["labels"], tp, cfg.size("v"))
         loss = per_token.sum() / problem.tokens
     else:
-        probe = local_batch(problem.probe, OUTPUT_PLAN.get(op))
+        probe = local_batch(ctx, problem.probe, OUTPUT_PLAN.get(op))
         loss = probe_loss(out, probe, problem.tokens)
         if op in OUTPUT_PLAN:  # each tp rank saw part of the output: its loss is partial
             loss = reduce_from_group(loss, tp)
     loss.backward()
     total = reduce_and_step(list(params.values()), loss, [dp])
 
-    mesh_out = {"dp": batch} | ({"tp": OUTPUT_PLAN[op]} if op in OUTPUT_PLAN else {})
+    mesh_out = {"dp": BATCH} | ({"tp": OUTPUT_PLAN[op]} if op in OUTPUT_PLAN else {})
     pieces = {
         "out": Piece.sharded(out, problem.out_shape, **mesh_out),
         "loss": Piece.full(total),
     }
     if x is not None:
-        mesh_x = {"dp": batch} | ({"tp": INPUT_PLAN[op]} if op in INPUT_PLAN else {})
+        mesh_x = {"dp": BATCH} | ({"tp": INPUT_PLAN[op]} if op in INPUT_PLAN else {})
         pieces[grad_name("x")] = Piece.sharded(x.grad, problem.inputs["x"].shape, **mesh_x)
     for k, t in params.items():
         placement = {"tp": plan[k]} if plan[k] is not None else {}

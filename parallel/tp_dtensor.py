@@ -16,12 +16,12 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 
 from harness.config import Config
 from harness.context import RankContext
-from harness.layout import Piece, Shard, take
+from harness.layout import Piece, Shard
 from reference.common import grad_name, param_name, probe_loss
 from reference.tp import LN_EPS, make_problem
 
 from .step import reduce_and_step
-from .tp import INPUT_PLAN, OUTPUT_PLAN
+from .tp import BATCH, INPUT_PLAN, OUTPUT_PLAN, local_batch
 
 
 def skip_reason(cfg: Config) -> str | None:
@@ -116,15 +116,11 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     op, problem = cfg.switch("op"), make_problem(cfg)
     tp_mesh = ctx.device_mesh["tp"]
     dp = ctx.group("dp") if "dp" in ctx.layout.names else None
-    n, c = ctx.degree("tp"), ctx.coord("tp")
-    batch = Shard(0)
 
-    def local_batch(t, tp_shard=None):
-        return take(take(t, batch, ctx.degree("dp"), ctx.coord("dp")), tp_shard, n, c)
 
     model = parallelize_module(Layer(op, problem.params), tp_mesh, PLANS[op]())
-    inputs = {k: local_batch(t) for k, t in problem.inputs.items()}
-    x = local_batch(problem.inputs["x"], INPUT_PLAN.get(op)).requires_grad_() if "x" in problem.inputs else None
+    inputs = {k: local_batch(ctx, t) for k, t in problem.inputs.items()}
+    x = local_batch(ctx, problem.inputs["x"], INPUT_PLAN.get(op)).requires_grad_() if "x" in problem.inputs else None
     out = model(x, inputs.get("ids"))
     if op == "xent":
         with loss_parallel():
@@ -132,7 +128,7 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
             loss = loss / problem.tokens
             loss.backward()
     else:
-        probe = local_batch(problem.probe, OUTPUT_PLAN.get(op))
+        probe = local_batch(ctx, problem.probe, OUTPUT_PLAN.get(op))
         loss = probe_loss(out, probe, problem.tokens)
         if op in OUTPUT_PLAN:  # a sharded output gives a partial loss: sum it over tp
             loss = DTensor.from_local(loss, tp_mesh, [Partial()]).full_tensor()
@@ -142,11 +138,11 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     grads = {k: p.grad for k, p in params.items()}
 
     pieces = {
-        "out": _piece(out, problem.out_shape, OUTPUT_PLAN.get(op), dp=batch),
+        "out": _piece(out, problem.out_shape, OUTPUT_PLAN.get(op), dp=BATCH),
         "loss": Piece.full(total),
     }
     if x is not None:
-        pieces[grad_name("x")] = _piece(x.grad, problem.inputs["x"].shape, INPUT_PLAN.get(op), dp=batch)
+        pieces[grad_name("x")] = _piece(x.grad, problem.inputs["x"].shape, INPUT_PLAN.get(op), dp=BATCH)
     for module_name, name in model.parameter_names().items():
         shape = problem.params[name].shape
         pieces[grad_name(name)] = _piece(grads[module_name], shape)

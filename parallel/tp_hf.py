@@ -40,12 +40,12 @@ from torch import nn
 
 from harness.config import Config
 from harness.context import RankContext
-from harness.layout import Piece, Shard, take
+from harness.layout import Piece, Shard
 from reference.common import grad_name, param_name, probe_loss
 from reference.tp import make_problem
 
 from .step import reduce_and_step
-from .tp import INPUT_PLAN, OUTPUT_PLAN
+from .tp import BATCH, INPUT_PLAN, OUTPUT_PLAN, local_batch
 from . import tp_dtensor as dtensor
 from .tp_dtensor import _linear
 
@@ -213,23 +213,19 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     op, style, problem = cfg.switch("op"), cfg.switch("style"), make_problem(cfg)
     tp_mesh = ctx.device_mesh["tp"]
     dp = ctx.group("dp") if "dp" in ctx.layout.names else None
-    n, c = ctx.degree("tp"), ctx.coord("tp")
-    batch = Shard(0)
 
-    def local_batch(t, tp_shard=None):
-        return take(take(t, batch, ctx.degree("dp"), ctx.coord("dp")), tp_shard, n, c)
 
     model = parallelize(Layer(op, style, problem.params, ctx.group("tp")), tp_mesh, op, style)
-    inputs = {k: local_batch(t) for k, t in problem.inputs.items()}
+    inputs = {k: local_batch(ctx, t) for k, t in problem.inputs.items()}
     in_plan = INPUT_PLAN.get(op)
     out_plan = None if op == "xent" else OUTPUT_PLAN.get(op)  # xent: logits gathered by the head
-    x = local_batch(problem.inputs["x"], in_plan).requires_grad_() if "x" in problem.inputs else None
+    x = local_batch(ctx, problem.inputs["x"], in_plan).requires_grad_() if "x" in problem.inputs else None
     out = model(x, inputs.get("ids"))
     if op == "xent":
         loss = F.cross_entropy(out.flatten(0, 1).float(), inputs["labels"].flatten(), reduction="sum")
         loss = loss / problem.tokens
     else:
-        probe = local_batch(problem.probe, out_plan)
+        probe = local_batch(ctx, problem.probe, out_plan)
         loss = probe_loss(out, probe, problem.tokens)
         if out_plan is not None:  # a sharded output gives a partial loss: sum it over tp
             loss = DTensor.from_local(loss, tp_mesh, [Partial()]).full_tensor()
@@ -237,9 +233,9 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     params = dict(model.named_parameters())
     total = reduce_and_step(list(params.values()), loss, [dp])
 
-    pieces = {"out": _piece(out, problem.out_shape, out_plan, dp=batch), "loss": Piece.full(total)}
+    pieces = {"out": _piece(out, problem.out_shape, out_plan, dp=BATCH), "loss": Piece.full(total)}
     if x is not None:
-        pieces[grad_name("x")] = _piece(x.grad, problem.inputs["x"].shape, in_plan, dp=batch)
+        pieces[grad_name("x")] = _piece(x.grad, problem.inputs["x"].shape, in_plan, dp=BATCH)
     for module_name, name in model.parameter_names().items():
         shape, transpose = problem.params[name].shape, module_name == "gate_up.weight" and style == "packedrow"
         pieces[grad_name(name)] = _piece(params[module_name].grad, shape, transpose=transpose)

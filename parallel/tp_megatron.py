@@ -34,13 +34,13 @@ import torch.nn.functional as F
 
 from harness.config import Config
 from harness.context import RankContext
-from harness.layout import Piece, Shard, take
+from harness.layout import Piece, take
 from harness.tolerance import TORCH_DTYPE
 from reference.common import grad_name, param_name, probe_loss
 from reference.tp import make_problem
 
 from .step import reduce_and_step
-from .tp import INPUT_PLAN, OUTPUT_PLAN, PARAM_PLAN
+from .tp import BATCH, INPUT_PLAN, OUTPUT_PLAN, PARAM_PLAN, local_batch
 
 try:  # imported here so the pool's zygote pays for it once; absent, every cell skips in the parent
     from megatron.core import parallel_state
@@ -150,26 +150,23 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     tp = ctx.group("tp")
     dp = ctx.group("dp") if "dp" in ctx.layout.names else None
     n, c = ctx.degree("tp"), ctx.coord("tp")
-    batch = Shard(0)
 
-    def local_batch(t, tp_shard=None):
-        return take(take(t, batch, ctx.degree("dp"), ctx.coord("dp")), tp_shard, n, c)
 
     plan = PARAM_PLAN[op]
     local = {k: take(t, plan[k], n, c) for k, t in problem.params.items()}
     ranks = [r for group in ctx.layout.groups("tp") if ctx.rank in group for r in group]
     with megatron_tp_group(tp, ranks):
         model = Layer(op, problem.params, local, tp, TORCH_DTYPE[cfg.dtype])
-        inputs = {k: local_batch(t) for k, t in problem.inputs.items()}
+        inputs = {k: local_batch(ctx, t) for k, t in problem.inputs.items()}
         x = None
         if "x" in problem.inputs:
-            x = local_batch(problem.inputs["x"], INPUT_PLAN.get(op)).requires_grad_()
+            x = local_batch(ctx, problem.inputs["x"], INPUT_PLAN.get(op)).requires_grad_()
         out = model(x, inputs.get("ids"))
         if op == "xent":
             per_token = vocab_parallel_cross_entropy(out.float(), inputs["labels"])
             loss = per_token.sum() / problem.tokens
         else:
-            probe = local_batch(problem.probe, OUTPUT_PLAN.get(op))
+            probe = local_batch(ctx, problem.probe, OUTPUT_PLAN.get(op))
             loss = probe_loss(out, probe, problem.tokens)
         loss.backward()
         value = loss.detach().clone()
@@ -178,10 +175,10 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     params = dict(model.named_parameters())
     total = reduce_and_step(list(params.values()), value, [dp])
 
-    mesh_out = {"dp": batch} | ({"tp": OUTPUT_PLAN[op]} if op in OUTPUT_PLAN else {})
+    mesh_out = {"dp": BATCH} | ({"tp": OUTPUT_PLAN[op]} if op in OUTPUT_PLAN else {})
     pieces = {"out": Piece.sharded(out, problem.out_shape, **mesh_out), "loss": Piece.full(total)}
     if x is not None:
-        mesh_x = {"dp": batch} | ({"tp": INPUT_PLAN[op]} if op in INPUT_PLAN else {})
+        mesh_x = {"dp": BATCH} | ({"tp": INPUT_PLAN[op]} if op in INPUT_PLAN else {})
         pieces[grad_name("x")] = Piece.sharded(x.grad, problem.inputs["x"].shape, **mesh_x)
     for module_name, name in model.parameter_names().items():
         placement = {"tp": plan[name]} if plan[name] is not None else {}

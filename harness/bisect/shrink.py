@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from ..config import Config, ConfigError
-from ..registry import Component, get
+from ..registry import get
 
 SIMPLEST_DTYPE = "fp32"
 
