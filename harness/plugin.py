@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from .config import Config, ConfigError
+from .layout import MeshLayout
 from .pool import DEFAULT_DEADLINE, DEFAULT_SIZE, CaseFailure, PoolError, shared_pool
 
 PROPERTY = "parity"
@@ -127,7 +128,7 @@ def _needed_ranks(items, most: int) -> int:
             extra = get(cfg.component).extra_meshes(cfg)
         except ConfigError:  # reported by the cell itself
             extra = ()
-        need = max([need, cfg.world] + [Config("x", "x", dims, "fp32").world for dims in extra])
+        need = max([need, cfg.world] + [MeshLayout.of(dims).world for dims in extra])
     return min(need, most)
 
 
