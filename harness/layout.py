@@ -197,21 +197,25 @@ class Assembled:
     replica_gap_ranks: tuple[int, int] | None
 
 
-def assemble(name: str, pieces: dict[int, Piece], layout: MeshLayout) -> Assembled:
-    """Rebuild the logical tensor ``name`` from every rank's piece and check replicas agree."""
+def assemble(name: str, pieces: dict[int, Piece], layout: MeshLayout, *, every_rank: bool = True) -> Assembled:
+    """Rebuild the logical tensor ``name`` from every rank's piece and check replicas agree.
+
+    ``every_rank=False``: only some ranks hold pieces (a pipeline stage's activations, an expert's
+    tokens); together they must still cover the whole tensor."""
     missing = [r for r in range(layout.world) if r not in pieces]
-    if missing:
+    if missing and every_rank:
         raise AssemblyError(f"{name}: ranks {missing} returned no piece")
-    first = pieces[0]
+    lead = min(pieces)
+    first = pieces[lead]
     out = torch.zeros(first.shape, dtype=first.tensor.dtype)
     owner = torch.full(first.shape, -1, dtype=torch.int32)
     gap, gap_ranks, index_of = 0.0, None, {}
-    for rank in range(layout.world):
+    for rank in sorted(pieces):
         piece = pieces[rank]
         if piece.shape != first.shape or piece.placements != first.placements:
             raise AssemblyError(
                 f"{name}: rank {rank} reports shape {piece.shape} {piece.placements}, "
-                f"rank 0 reports {first.shape} {first.placements}"
+                f"rank {lead} reports {first.shape} {first.placements}"
             )
         index = piece_index(piece, layout, rank)
         expected = tuple(len(i) for i in index)

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from harness import events
 from harness.config import Config, ConfigError
 from harness.context import RankContext
 from harness.layout import Piece, Shard, take
@@ -382,6 +383,11 @@ def check(cfg: Config, saved: dict, loaded: dict, old: dict, resumed: dict) -> N
                                  f"at flat index {i}, beyond {tol.get(name)}")
 
 
+def as_events(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full state under the reference's event names (``state/param/w1``), step counts left out."""
+    return {f"state/{k}": t for k, t in full.items() if k.startswith(("param/", "opt/exp_avg"))}
+
+
 def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     save, load = layouts(cfg)
     problem = make_problem(cfg)
@@ -391,6 +397,7 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
         held.step(*problem.batches[0])
         held.save(path)
         saved = held.full_state()
+        events.record("checkpoint", {}, as_events(saved), phase="save")
         old_loss = held.step(*problem.batches[1])
         old = held.full_state() | {"loss": old_loss}
     # the load side reads what the coordinator of the save side wrote: all of it must be there
@@ -405,8 +412,10 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
         # every tensor this rank holds must change: the target's state differed from the saved one
         unchanged = [k for k, t in held.tensors().items() if _local(t).numel() and torch.equal(_local(t), before[k])]
         loaded = held.full_state()
+        events.record("checkpoint", {}, as_events(loaded), phase="load")
         loss = held.step(*problem.batches[1])
         resumed = held.full_state() | {"loss": loss}
+        events.record("checkpoint", {}, as_events(resumed), phase="resume")
         result = {f"loaded/{k}": v for k, v in loaded.items()} | {f"resumed/{k}": v for k, v in resumed.items()}
         result = {k: v for k, v in result.items() if "/opt/step/" not in k}
     if load.world < ctx.layout.world:  # ranks outside the load layout return rank 0's copy

@@ -59,8 +59,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as DShard
 
+from harness import events
 from harness.config import Config, ConfigError
 from harness.context import RankContext
+from harness.events import At
 from harness.layout import Piece, Shard, chunk_bounds, empty_chunk_rule, take
 from reference.common import adamw, grad_name, param_name, probe_loss, state_name
 from reference.fsdp import CLIP_EPS, MAX_NORM, PARAMS, STEPS, make_problem, step_name
@@ -203,6 +205,7 @@ class FSDP:
         self.params = {k: FSDPParam(k, params[k].float(), self.groups, compute_dtype) for k in PARAMS}
         self.optimizer = adamw([p.shard for p in self.params.values()])
         self.placements = [Replicate(), DShard(0)] if "rep" in mesh.mesh_dim_names else [DShard(0)]
+        self.step, self.microbatches = 0, 1  # of the current train_step, for the events
 
     def _unit(self, names: tuple[str, ...], fn, x: torch.Tensor) -> torch.Tensor:
         """Run ``fn(full params, x)`` with the unit's parameters gathered; autograd keeps no full
@@ -222,7 +225,22 @@ class FSDP:
             return p.gather().as_strided(shape, stride, offset)
 
         with saved_tensors_hooks(pack, unpack):
-            return fn(full, x)
+            y = fn(full, x)
+        self._record(LAYERS.index(names), full, x, y)
+        return y
+
+    def _record(self, layer: int, full: dict, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Events for bisect: the weights a layer gathered, and its rows in and out. Those are per
+        step, so they are recorded only when the step is one microbatch."""
+        if not events.active():
+            return
+        events.record("weights", {}, full, layer=layer, step=self.step)
+        if self.microbatches == 1:
+            # row blocks in dp rank order; each rank's loss is a mean over its own rows
+            rows = {name: Shard(0) for name in self.mesh.mesh_dim_names} | {"grad_scale": 1 / self.groups.world}
+            batch = x.shape[0] * self.groups.world
+            events.op("layer", {"x": (x, At((batch, *x.shape[1:]), **rows))},
+                      {"y": (y, At((batch, *y.shape[1:]), **rows))}, layer=layer, step=self.step)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``reference.fsdp.forward``, one unit per layer."""
@@ -236,11 +254,13 @@ class FSDP:
                 dist.all_reduce(t, group=group)
         return t
 
-    def train_step(self, x: torch.Tensor, probe: torch.Tensor, microbatches: int):
-        """One optimizer step on this rank's rows ``x`` (split into microbatches).
+    def train_step(self, x: torch.Tensor, probe: torch.Tensor, microbatches: int, step: int = 0):
+        """One optimizer step on this rank's rows ``x`` (split into microbatches); ``step`` names
+        the events.
 
         Returns the global loss, the gradient norm before clipping and the gradient shards before
         clipping."""
+        self.step, self.microbatches = step, microbatches
         rows = x.shape[0]
         loss = torch.zeros((), dtype=torch.float32)
         for i, (xm, pm) in enumerate(zip(x.chunk(microbatches), probe.chunk(microbatches))):
@@ -341,7 +361,7 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     pieces: dict[str, Piece] = {}
     for k in range(STEPS):
         x, probe = (local_rows(t[k], model.groups) for t in (problem.x, problem.probe))
-        loss, norm, grads = model.train_step(x, probe, cfg.size("m"))
+        loss, norm, grads = model.train_step(x, probe, cfg.size("m"), k + 1)
         shards = {n: p.shard.detach() for n, p in model.params.items()}
         opt = {n: model.optimizer.state[p.shard] for n, p in model.params.items()}
         full_shapes = {n: p.full_shape for n, p in model.params.items()}

@@ -37,6 +37,7 @@ Meshes (switch ``emesh``):
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -44,8 +45,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from harness import events
 from harness.config import Config, ConfigError
 from harness.context import RankContext
+from harness.events import At
 from harness.layout import Piece, Shard, take
 from reference.common import grad_name, param_name, probe_loss, sgd_step
 from reference.moe import AUX_WEIGHT, EXPERT_PARAMS, capacity, make_problem, probs_of, scores_of, swiglu
@@ -272,17 +275,33 @@ def run_experts(tokens: torch.Tensor, counts: list[int], p: dict, etp) -> torch.
     return reduce_from_group(torch.cat(outs + [tokens.new_zeros(0, tokens.shape[1])]), etp)
 
 
-def moe(cfg: Config, x, p: dict, ep, etp, token_groups: list, tokens: int):
+def record_experts(x: torch.Tensor, y: torch.Tensor, counts: list[int], ep, token_groups: list) -> None:
+    """Events for bisect: each local expert's rows in and out. They are logical (every token routed
+    to the expert, in global order) only when this rank's ep group holds every token, so with an
+    edp > 1 layout the experts record nothing rather than a part."""
+    if not events.active() or math.prod(group_size(g) for g in token_groups) != group_size(ep):
+        return
+    first = group_rank(ep) * len(counts)
+    for i, (rows_in, rows_out) in enumerate(zip(x.split(counts), y.split(counts))):
+        events.record("expert", {"x": rows_in}, {"y": rows_out}, expert=first + i)
+
+
+def moe(cfg: Config, x, p: dict, ep, etp, token_groups: list, tokens: int, rows: dict | None = None):
     """The MoE layer on this rank's tokens; mirrors ``reference.moe.moe``. Returns the output, this
-    rank's share of the aux loss, the chosen experts and the dropped slots."""
+    rank's share of the aux loss, the chosen experts and the dropped slots. ``rows``: where this
+    rank's tokens sit among all (placements), for the events."""
     e, k, score = cfg.size("e"), cfg.size("k"), cfg.switch("score")
     scores = scores_of(F.linear(x.float(), p["router"].float()), score)
+    rows = rows or {}
+    events.op("router", {"x": (x, At((tokens, x.shape[1]), **rows))}, {"scores": (scores, At((tokens, e), **rows))})
     gates, route = scores.topk(k, dim=-1)
     if cfg.switch("norm") == "on":
         gates = gates / gates.sum(-1, keepdim=True)
     kept, total = keep_mask(route, e, capacity(cfg), token_groups)
     plan = plan_exchange(route, kept, e, ep)
-    y = run_experts(Dispatch.apply(x, plan), plan.local_counts, p, etp)
+    mine = Dispatch.apply(x, plan)
+    y = run_experts(mine, plan.local_counts, p, etp)
+    record_experts(mine, y, plan.local_counts, ep, token_groups)
     combined = Combine.apply(y, plan)
     out = (gates.unsqueeze(-1) * combined.float()).sum(1).to(x.dtype)
     frac = total.float() / (tokens * k)
@@ -313,7 +332,8 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     batch = Shard(0)
     x = take(problem.x, batch, ctx.degree(lay.token_dim), ctx.coord(lay.token_dim)).requires_grad_()
     xm = split_to_group(x, 0, tp) if lay.split_tp else x  # backward: all-gather dx over tp
-    out_m, aux, route, dropped = moe(cfg, xm, params, ep, etp, token_groups, problem.tokens)
+    on_moe_tokens = {lay.token_dim: batch} | ({"tp": batch} if lay.split_tp else {})
+    out_m, aux, route, dropped = moe(cfg, xm, params, ep, etp, token_groups, problem.tokens, on_moe_tokens)
     out = gather_from_group(out_m, 0, tp, x.shape[0]) if lay.split_tp else out_m
     probe = take(problem.probe, batch, ctx.degree(lay.token_dim), ctx.coord(lay.token_dim))
     main = probe_loss(out, probe, problem.tokens)  # complete over tp (out is gathered), partial over the batch
@@ -333,7 +353,6 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     t, h = problem.x.shape
     k = cfg.size("k")
     on_tokens = {lay.token_dim: batch}
-    on_moe_tokens = on_tokens | ({"tp": batch} if lay.split_tp else {})
     pieces = {
         "out": Piece.sharded(out, (t, h), **on_tokens),
         "aux": Piece.full(aux),

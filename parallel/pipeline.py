@@ -28,8 +28,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from harness import events
 from harness.config import Config, ConfigError
 from harness.context import RankContext
+from harness.events import At
 from harness.layout import MeshLayout, Piece, Shard, empty_chunk_rule, piece_index, take
 from harness.tolerance import TORCH_DTYPE
 from reference.common import adamw, grad_name, param_name, state_name
@@ -116,21 +118,27 @@ class Stages:
         self.depth = cfg.size("l") // sched.stages  # layers per stage
         self.last = sched.stages - 1
         self.vocab = cfg.size("v")
+        self.dp = dp_degree
         self.scale = cfg.size("m") * dp_degree  # microbatch mean / (m * dp): see the module docstring
         self.rows = {s: range(j * self.depth, (j + 1) * self.depth) for j, s in enumerate(sched.stages_of(coord))}
 
-    def forward(self, s: int, x: torch.Tensor, p: dict, labels: torch.Tensor | None) -> torch.Tensor:
-        """Stage ``s`` on one microbatch: token ids in on the first stage, the scaled loss out of the last."""
+    def forward(self, s: int, mb: int, x: torch.Tensor, p: dict, labels: torch.Tensor | None) -> torch.Tensor:
+        """Stage ``s`` on microbatch ``mb``: token ids in on the first stage, the scaled loss out of the last."""
         tp = self.tp
         if s == 0:
             x = vocab_parallel_embedding(x, p["emb"], tp, self.vocab)
-        for k in self.rows[s]:
+        # events: a microbatch's activations, the rows of every dp rank's mb-th chunk
+        rows = At((x.shape[0] * self.dp, *x.shape[1:]), dp=Shard(0))
+        for j, k in enumerate(self.rows[s]):
             hidden = F.gelu(column_parallel(x, p["w1"][k], p["b1"][k], tp))
-            x = x + row_parallel(hidden, p["w2"][k], p["b2"][k], tp)
+            y = x + row_parallel(hidden, p["w2"][k], p["b2"][k], tp)
+            events.op("block", {"x": (x, rows)}, {"y": (y, rows)}, layer=s * self.depth + j, microbatch=mb)
+            x = y
         if s < self.last:
             return x
         logits = F.linear(copy_to_group(x, tp), p["head"])
         per_token = vocab_parallel_cross_entropy(logits, labels, tp, self.vocab)
+        events.op("head", {"x": (x, rows)}, {"token_loss": (per_token, At(rows.shape[:2], dp=Shard(0)))}, microbatch=mb)
         return per_token.mean() / self.scale
 
 
@@ -153,7 +161,7 @@ def execute(sched: ps.Schedule, coord: int, stages: Stages, params: dict, ids: l
             elif a.kind == ps.F:
                 s, m = a.stage, a.mb
                 x = ids[m] if s == 0 else inbox.pop(("activation", s - 1, m)).requires_grad_()
-                out = stages.forward(s, x, params, labels[m])
+                out = stages.forward(s, m, x, params, labels[m])
                 kept[s, m] = (x, out)
                 if s == stages.last:
                     total += out.detach().float()

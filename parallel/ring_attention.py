@@ -21,8 +21,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from harness import events
 from harness.config import Config, ConfigError, require_divides
 from harness.context import RankContext
+from harness.events import At
 from harness.layout import Piece, Shard, shard_indices, take
 from reference.common import grad_name, param_name, probe_loss
 from reference.ring_attention import PARAMS, kv_heads, make_problem, merge_heads, split_heads
@@ -113,7 +115,7 @@ class RingAttention(torch.autograd.Function):
     """Forward: ring of K/V blocks with an online-softmax merge. Backward: ring of K/V and of dK/dV."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, pos, causal: bool):
+    def forward(ctx, q, k, v, group, pos, causal: bool, at: At | None):
         n, me = group_size(group), group_rank(group)
         qf = q.float()
         out = torch.zeros(qf.shape, dtype=torch.float32)
@@ -124,10 +126,12 @@ class RingAttention(torch.autograd.Function):
                 incoming, works = _shift(kv, group)  # overlaps with this block's compute
             src = (me - step) % n
             part = _block(qf, kv[0].float(), kv[1].float(), _visible(pos[me], pos[src], causal))
+            before = out.clone() if events.active() else None
             if part is not None:
                 rows, _, _, _, vs, scores = part
                 block_lse = scores.logsumexp(dim=-1)
                 _merge(out, lse, rows, torch.exp(scores - block_lse.unsqueeze(-1)) @ vs, block_lse)
+            events.record("ring", {"before": (before, at)}, {"after": (out, at)}, ring_step=step)
             if step < n - 1:
                 _wait(works)
                 kv = incoming
@@ -166,12 +170,13 @@ class RingAttention(torch.autograd.Function):
             if step < n - 1:
                 _wait(works)
                 kv = incoming
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def ring_attention(q, k, v, group, pos: list[torch.Tensor], causal: bool):
-    """Attention of local queries over the keys of every rank in ``group``: (output, log-sum-exp)."""
-    return RingAttention.apply(q, k, v, group, pos, causal)
+def ring_attention(q, k, v, group, pos: list[torch.Tensor], causal: bool, at: At | None = None):
+    """Attention of local queries over the keys of every rank in ``group``: (output, log-sum-exp).
+    ``at``: where the local queries' output sits in the logical one, for the ring-step events."""
+    return RingAttention.apply(q, k, v, group, pos, causal, at)
 
 
 def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
@@ -194,16 +199,18 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     for t in (q, k, v):
         t.retain_grad()
     pos = [positions(layout, cfg.size("s"), n_cp, r) for r in range(n_cp)]
-    attn, lse = ring_attention(q, k, v, cp, pos, causal)
+    b, s = problem.x.shape[:2]
+    d = cfg.size("d")
+    by_head = dict(dp=batch, tp=heads, cp=sequence_shard(layout, 2))
+    queries, keys = At((b, cfg.size("q"), s, d), **by_head), At((b, kv_heads(cfg), s, d), **by_head)
+    attn, lse = ring_attention(q, k, v, cp, pos, causal, queries)
+    events.op("attention", {"q": (q, queries), "k": (k, keys), "v": (v, keys)}, {"attn": (attn, queries)})
     out = reduce_from_group(merge_heads(attn) @ params["wo"].T, tp)
     # each cp rank holds some tokens: its loss is partial, and so are its parameter gradients
     loss = probe_loss(out, local(problem.probe), problem.tokens)
     loss.backward()
     total = reduce_and_step(list(params.values()), loss, [cp, dp])
 
-    b, s = problem.x.shape[:2]
-    d = cfg.size("d")
-    by_head = dict(dp=batch, tp=heads, cp=sequence_shard(layout, 2))
     pieces = {
         "out": Piece.sharded(out, problem.x.shape, dp=batch, cp=seq),
         "loss": Piece.full(total),

@@ -22,8 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from harness import events
 from harness.config import Config, ConfigError, require_divides
 from harness.context import RankContext
+from harness.events import At
 from harness.layout import Piece, Shard, chunk_bounds, empty_chunk_rule, take
 from reference.common import grad_name, param_name, probe_loss
 from reference.tp import LN_EPS, OPS, make_problem
@@ -125,8 +127,16 @@ def forward(op: str, p: dict, x, inputs: dict, tp, cfg: Config):
     if op == "rowshard":
         return row_parallel(x, p["w"], p["b"], tp)
     if op == "mlp":
-        hidden = F.gelu(column_parallel(x, p["w1"], p["b1"], tp))
-        return row_parallel(hidden, p["w2"], p["b2"], tp)
+        # events name logical tensors: the batch is split over dp, the hidden features over tp
+        (b, s, h), f = x.shape, cfg.size("f")
+        b *= cfg.degree("dp")
+        hidden = At((b, s, f), dp=BATCH, tp=Shard(2))
+        pre = column_parallel(x, p["w1"], p["b1"], tp)
+        events.op("fc1", {"x": (x, At((b, s, h), dp=BATCH))}, {"h": (pre, hidden)})
+        a = F.gelu(pre)
+        y = row_parallel(a, p["w2"], p["b2"], tp)
+        events.op("fc2", {"a": (a, hidden)}, {"y": (y, At((b, s, h), dp=BATCH))})
+        return y
     if op == "sp":
         # replicated weights applied to a sequence shard: partial gradients, all-reduced over tp
         ln_w, ln_b, b2 = (copy_to_group(p[k], tp) for k in ("ln_w", "ln_b", "b2"))
@@ -159,6 +169,10 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     if "x" in problem.inputs:
         x = local_batch(ctx, problem.inputs["x"], INPUT_PLAN.get(op)).requires_grad_()
     out = forward(op, params, x, inputs, tp, cfg)
+    mesh_x = {"dp": BATCH} | ({"tp": INPUT_PLAN[op]} if op in INPUT_PLAN else {})
+    mesh_out = {"dp": BATCH} | ({"tp": OUTPUT_PLAN[op]} if op in OUTPUT_PLAN else {})
+    events.op("layer", {"x": (x, At(problem.inputs["x"].shape, **mesh_x))} if x is not None else {},
+              {"out": (out, At(problem.out_shape, **mesh_out))})
     if op == "xent":
         per_token = vocab_parallel_cross_entropy(out, inputs["labels"], tp, cfg.size("v"))
         loss = per_token.sum() / problem.tokens
@@ -170,13 +184,11 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     loss.backward()
     total = reduce_and_step(list(params.values()), loss, [dp])
 
-    mesh_out = {"dp": BATCH} | ({"tp": OUTPUT_PLAN[op]} if op in OUTPUT_PLAN else {})
     pieces = {
         "out": Piece.sharded(out, problem.out_shape, **mesh_out),
         "loss": Piece.full(total),
     }
     if x is not None:
-        mesh_x = {"dp": BATCH} | ({"tp": INPUT_PLAN[op]} if op in INPUT_PLAN else {})
         pieces[grad_name("x")] = Piece.sharded(x.grad, problem.inputs["x"].shape, **mesh_x)
     for k, t in params.items():
         placement = {"tp": plan[k]} if plan[k] is not None else {}

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from harness import events
 from harness.config import Config
 from harness.context import generator
 from harness.tolerance import TORCH_DTYPE
@@ -98,6 +99,10 @@ def reference(cfg: Config) -> dict[str, torch.Tensor]:
         optimizer.zero_grad()
         if i == 0:
             result.update(state(params, optimizer, "loaded"))
+            # events: what is saved is what every load restores
+            events.record("checkpoint", {}, state(params, optimizer, "state"), phase="save")
+            events.record("checkpoint", {}, state(params, optimizer, "state"), phase="load")
+    events.record("checkpoint", {}, state(params, optimizer, "state"), phase="resume")
     result["resumed/loss"] = loss.detach()
     return result | state(params, optimizer, "resumed")
 

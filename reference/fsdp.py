@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from harness import events
 from harness.config import Config
 from harness.context import generator
 from harness.tolerance import TORCH_DTYPE
@@ -62,8 +63,15 @@ def make_problem(cfg: Config) -> Problem:
     return Problem(params, randn(STEPS, b, h), torch.randn((STEPS, b, o), generator=g))
 
 
-def forward(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.gelu(F.linear(x, p["w1"], p["b1"])), p["w2"], p["b2"])
+def forward(p: dict[str, torch.Tensor], x: torch.Tensor, step: int = 0) -> torch.Tensor:
+    """The MLP; events per layer: the weights it used at optimizer step ``step`` and its activations."""
+    events.record("weights", {}, {"w1": p["w1"], "b1": p["b1"]}, layer=0, step=step)
+    h = F.gelu(F.linear(x, p["w1"], p["b1"]))
+    events.op("layer", {"x": x}, {"y": h}, layer=0, step=step)
+    events.record("weights", {}, {"w2": p["w2"], "b2": p["b2"]}, layer=1, step=step)
+    out = F.linear(h, p["w2"], p["b2"])
+    events.op("layer", {"x": h}, {"y": out}, layer=1, step=step)
+    return out
 
 
 def step_name(step: int, name: str) -> str:
@@ -78,7 +86,7 @@ def reference(cfg: Config) -> dict[str, torch.Tensor]:
     optimizer = adamw(list(params.values()))
     result: dict[str, torch.Tensor] = {}
     for k in range(STEPS):
-        out = forward(params, problem.x[k].double())
+        out = forward(params, problem.x[k].double(), k + 1)
         loss = probe_loss(out, problem.probe[k].double(), cfg.size("b"))
         loss.backward()
         grads = {name: p.grad.clone() for name, p in params.items()}

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from harness import events
 from harness.config import Config
 from harness.context import generator
 from harness.tolerance import TORCH_DTYPE
@@ -128,6 +129,7 @@ def moe(cfg: Config, x: torch.Tensor, p: dict[str, torch.Tensor]) -> dict[str, t
     """The MoE layer: output, aux loss, the chosen experts and which slots were dropped."""
     e, k, score = cfg.size("e"), cfg.size("k"), cfg.switch("score")
     scores = scores_of(F.linear(x, p["router"]), score)
+    events.op("router", {"x": x}, {"scores": scores})
     gates, route = scores.topk(k, dim=-1)
     if cfg.switch("norm") == "on":
         gates = gates / gates.sum(-1, keepdim=True)
@@ -136,6 +138,7 @@ def moe(cfg: Config, x: torch.Tensor, p: dict[str, torch.Tensor]) -> dict[str, t
     for expert in range(e):
         token, slot = ((route == expert) & kept).nonzero(as_tuple=True)
         y = swiglu(x[token], p["w_gate"][expert], p["w_up"][expert], p["w_down"][expert])
+        events.record("expert", {"x": x[token]}, {"y": y}, expert=expert)
         out = out.index_add(0, token, gates[token, slot].unsqueeze(-1) * y)
     frac = torch.bincount(route.flatten(), minlength=e).to(x.dtype) / route.numel()
     aux = e * (frac * probs_of(scores, score).mean(0)).sum()

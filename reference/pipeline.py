@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from harness import events
 from harness.config import Config
 from harness.context import generator
 from harness.tolerance import TORCH_DTYPE
@@ -78,13 +79,30 @@ def block(x: torch.Tensor, w1, b1, w2, b2) -> torch.Tensor:
     return x + F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
 
 
-def model_loss(p: dict[str, torch.Tensor], ids: torch.Tensor, labels: torch.Tensor, head_key: str) -> torch.Tensor:
+def model_loss(p: dict[str, torch.Tensor], ids: torch.Tensor, labels: torch.Tensor, head_key: str,
+               microbatch: int = 0) -> torch.Tensor:
     """Mean cross-entropy of one microbatch through the whole model."""
     x = F.embedding(ids, p["emb"])
     for layer in range(p["w1"].shape[0]):
-        x = block(x, *(p[k][layer] for k in BLOCK))
+        y = block(x, *(p[k][layer] for k in BLOCK))
+        events.op("block", {"x": x}, {"y": y}, layer=layer, microbatch=microbatch)
+        x = y
     logits = F.linear(x, p[head_key])
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+    events.op("head", {"x": x}, {"token_loss": per_token}, microbatch=microbatch)
+    return per_token.mean()
+
+
+def microbatches(cfg: Config, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The global batch cut into ``m`` microbatches of consecutive rows. When bisect records events,
+    microbatch i is the one the pipeline's dp ranks run as their i-th (each dp rank's i-th chunk of
+    its own rows, in dp order), so that events compare like with like; the sum over microbatches,
+    and so every result, is the same either way."""
+    m, dp = cfg.size("m"), cfg.degree("dp")
+    if not events.active() or dp == 1:
+        return t.chunk(m)
+    per_rank = [rows.chunk(m) for rows in t.chunk(dp)]
+    return tuple(torch.cat([chunks[i] for chunks in per_rank]) for i in range(m))
 
 
 def reference(cfg: Config) -> dict[str, torch.Tensor]:
@@ -93,8 +111,8 @@ def reference(cfg: Config) -> dict[str, torch.Tensor]:
     params = {k: t.double().requires_grad_() for k, t in problem.params.items()}
     head_key = "emb" if tied(cfg) else "head"
     total = torch.zeros((), dtype=torch.float64)
-    for ids, labels in zip(problem.ids.chunk(m), problem.labels.chunk(m)):
-        loss = model_loss(params, ids, labels, head_key) / m  # mean over the global batch
+    for i, (ids, labels) in enumerate(zip(microbatches(cfg, problem.ids), microbatches(cfg, problem.labels))):
+        loss = model_loss(params, ids, labels, head_key, i) / m  # mean over the global batch
         (loss * GRAD_SCALE).backward()  # gradients accumulate over microbatches
         total += loss.detach()
     result = {"loss": total.reshape(1)}

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from harness import events
 from harness.config import Config
 from harness.context import generator
+from harness.layout import Shard, shard_indices
 from harness.tolerance import TORCH_DTYPE
 
 from .common import grad_name, probe_loss, record_step
@@ -79,6 +81,29 @@ def attention(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
 
 
+def record_ring_steps(cfg: Config, q, k, v, causal: bool) -> None:
+    """Events for bisect: the running output after each step of a ring over ``cp`` ranks. After step
+    ``t`` a query held by cp rank r has met the keys of ranks r, r-1, ..., r-t (mod cp), which is what
+    ring attention has merged by then; rows that have met no visible key yet are zero."""
+    cp, s = cfg.degree("cp"), q.shape[2]
+    shard = Shard(0, zigzag=cfg.switch("layout") == "zigzag")
+    owner = torch.empty(s, dtype=torch.long)
+    for r in range(cp):
+        owner[shard_indices(torch.arange(s), shard, cp, r)] = r
+    lag = (owner.unsqueeze(1) - owner.unsqueeze(0)) % cp  # [query, key]: the step that brings the key
+    visible = torch.ones(s, s, dtype=torch.bool).tril() if causal else torch.ones(s, s, dtype=torch.bool)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).detach()
+    before = torch.zeros_like(q)
+    for step in range(cp):
+        seen = visible & (lag <= step)
+        weights = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1).nan_to_num(0.0)
+        after = weights @ v.detach()
+        events.record("ring", {"before": before}, {"after": after}, ring_step=step)
+        before = after
+
+
 def reference(cfg: Config) -> dict[str, torch.Tensor]:
     problem = make_problem(cfg)
     hq, hkv = cfg.size("q"), kv_heads(cfg)
@@ -87,7 +112,11 @@ def reference(cfg: Config) -> dict[str, torch.Tensor]:
     q, k, v = (split_heads(x @ params[w].T, n) for w, n in (("wq", hq), ("wk", hkv), ("wv", hkv)))
     for t in (q, k, v):
         t.retain_grad()
-    attn, lse = attention(q, k, v, cfg.switch("mask") == "causal")
+    causal = cfg.switch("mask") == "causal"
+    if events.active():
+        record_ring_steps(cfg, q, k, v, causal)
+    attn, lse = attention(q, k, v, causal)
+    events.op("attention", {"q": q, "k": k, "v": v}, {"attn": attn})
     out = merge_heads(attn) @ params["wo"].T
     loss = probe_loss(out, problem.probe.double(), problem.tokens)
     loss.backward()

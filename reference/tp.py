@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from harness import events
 from harness.config import Config
 from harness.context import generator
 from harness.tolerance import TORCH_DTYPE
@@ -93,7 +94,12 @@ def forward(op: str, p: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]
     if op in ("colgather", "colshard", "rowsplit", "rowshard"):
         return F.linear(x, p["w"], p["b"])
     if op == "mlp":
-        return F.linear(F.gelu(F.linear(x, p["w1"], p["b1"])), p["w2"], p["b2"])
+        h = F.linear(x, p["w1"], p["b1"])
+        events.op("fc1", {"x": x}, {"h": h})
+        a = F.gelu(h)
+        y = F.linear(a, p["w2"], p["b2"])
+        events.op("fc2", {"a": a}, {"y": y})
+        return y
     if op == "sp":
         normed = F.layer_norm(x, x.shape[-1:], p["ln_w"], p["ln_b"], LN_EPS)
         return x + F.linear(F.gelu(F.linear(normed, p["w1"], p["b1"])), p["w2"], p["b2"])
@@ -114,6 +120,7 @@ def reference(cfg: Config) -> dict[str, torch.Tensor]:
     params = {k: t.double().requires_grad_() for k, t in problem.params.items()}
     inputs = {k: t.double().requires_grad_() if t.is_floating_point() else t for k, t in problem.inputs.items()}
     out = forward(op, params, inputs)
+    events.op("layer", {"x": inputs["x"]} if "x" in inputs else {}, {"out": out})
     if op == "xent":
         loss = F.cross_entropy(out.flatten(0, 1), inputs["labels"].flatten())
     else:

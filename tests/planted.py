@@ -8,6 +8,10 @@ import os
 
 import torch
 
+import parallel.checkpoint as checkpoint
+import parallel.fsdp as fsdp
+import parallel.moe as moe
+import parallel.pipeline as pipeline
 import parallel.ring_attention as ring
 import parallel.tp as tp
 
@@ -49,3 +53,71 @@ def tp_noisy(ctx, cfg):
     out = pieces["out"]
     out.tensor = out.tensor + torch.randn(out.tensor.shape, generator=noise).to(out.tensor.dtype)
     return pieces
+
+
+def tp_column_backward_unreduced(ctx, cfg):
+    """Column-parallel linear without copy_to_group: the forward is unchanged, but the input
+    gradient is each tp rank's partial sum, never all-reduced. Bisect should place it at ``bwd fc1``."""
+    with patched(tp, "column_parallel", lambda x, w, b, group: torch.nn.functional.linear(x, w, b)):
+        return tp.run(ctx, cfg)
+
+
+def pp_microbatch_loss_doubled(ctx, cfg):
+    """Pipeline whose last stage doubles the loss of microbatch 1 (a per-microbatch scaling bug):
+    bisect should name microbatch 1."""
+    real = pipeline.Stages.forward
+
+    def forward(self, s, mb, x, p, labels):
+        out = real(self, s, mb, x, p, labels)
+        return out * 2 if s == self.last and mb == 1 else out
+
+    with patched(pipeline.Stages, "forward", forward):
+        return pipeline.run(ctx, cfg)
+
+
+def moe_expert_off_by_one(ctx, cfg):
+    """MoE whose second local expert runs with the first one's weights (an off-by-one in the local
+    expert index): bisect should name that expert."""
+    def run_experts(tokens, counts, p, etp):
+        rows = moe.copy_to_group(tokens, etp)
+        outs = [moe.swiglu(chunk, p["w_gate"][max(i - 1, 0)], p["w_up"][max(i - 1, 0)], p["w_down"][max(i - 1, 0)])
+                for i, chunk in enumerate(rows.split(counts))]
+        return moe.reduce_from_group(torch.cat(outs + [tokens.new_zeros(0, tokens.shape[1])]), etp)
+
+    with patched(moe, "run_experts", run_experts):
+        return moe.run(ctx, cfg)
+
+
+def fsdp_gather_swaps_shards(ctx, cfg):
+    """FSDP whose all-gather of W1 puts the first two ranks' shards in each other's place (a group's
+    rank order mixed up): needs a shard group of 2 or more; bisect should name the gathered weights
+    of the first step's first layer."""
+    real = fsdp.FSDPParam.gather
+
+    def gather(self):
+        full = real(self)
+        n = fsdp.group_size(self.groups.shard)
+        if self.name != "w1" or n < 2:
+            return full
+        first, second = full.chunk(n)[:2]
+        return torch.cat([second, first, *full.chunk(n)[2:]]) if first.shape == second.shape else full
+
+    with patched(fsdp.FSDPParam, "gather", gather):
+        return fsdp.run(ctx, cfg)
+
+
+def ckpt_load_rotates_rows(ctx, cfg):
+    """Checkpoint whose load puts each local shard of W1 one row off (a resharding offset bug):
+    bisect should name the load."""
+    real = checkpoint.Side.load
+
+    def load(self, path):
+        real(self, path)
+        with torch.no_grad():
+            for name, t in self.tensors().items():
+                local = checkpoint._local(t)
+                if name == "param/w1" and local.shape[0] > 1:
+                    local.copy_(local.roll(1, 0))
+
+    with patched(checkpoint.Side, "load", load):
+        return checkpoint.run(ctx, cfg)

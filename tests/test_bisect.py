@@ -18,6 +18,11 @@ from harness.registry import register_implementation
 register_implementation("tp", "overtp", "tests.planted:tp_grads_over_tp")
 register_implementation("tp", "noisy", "tests.planted:tp_noisy")
 register_implementation("ringattn", "stuck", "tests.planted:ring_never_rotates")
+register_implementation("tp", "colbwd", "tests.planted:tp_column_backward_unreduced")
+register_implementation("moe", "offby1", "tests.planted:moe_expert_off_by_one")
+register_implementation("pp", "mb1x2", "tests.planted:pp_microbatch_loss_doubled")
+register_implementation("fsdp", "swapgather", "tests.planted:fsdp_gather_swaps_shards")
+register_implementation("ckpt", "rotload", "tests.planted:ckpt_load_rotates_rows")
 '''
 
 
@@ -78,6 +83,10 @@ def test_a_scaling_bug_from_an_8_rank_cell_shrinks_to_tp2_within_budget(tmp_path
     assert found["kind"] == "scale" and found["tensors"][0].startswith("grad/")
     assert "tp=2" in found["essential"]
     assert found["trials"] <= 40 and found["seconds"] < 120
+    # every event matches: the gradients go wrong in the step after the last one (where the bug is)
+    place = found["localisation"]
+    assert place["first_diverging"] is None and place["result_matches"] is False and place["compared"] > 0
+    assert "the divergence starts after the last recorded event" in done.stdout
     assert "reproduce: " in done.stdout and "harness.bisect check " + found["minimal"] in done.stdout
     lines = (tmp_path / "project" / "bisect-out" / "trials.jsonl").read_text().splitlines()
     assert len(lines) == found["trials"] and json.loads(lines[0])["config"] == cell
@@ -91,6 +100,46 @@ def test_a_ring_bug_keeps_cp_and_drops_every_switch_it_does_not_need(tmp_path):
     minimal = Config.parse(result(tmp_path)["minimal"])
     assert minimal.dims == {"cp": 2}
     assert dict(minimal.switches) == {"gqa": "off", "layout": "contig", "mask": "full"}
+    # the first ring step merges the rank's own block, which is right; the second is where K/V should have moved
+    assert result(tmp_path)["localisation"]["origin"]["event"] == "fwd ring ring_step=1"
+
+
+# (a planted bug's 8- or 4-rank cell, the mesh bisect must shrink it to, the event where the bug lives)
+PLANTED = {
+    "tp: column-parallel backward without its all-reduce": (
+        "tp-colbwd-dp2.tp4-bf16-op_mlp-b4.f32.h16.s8.v40-seed0", {"tp": 2}, "bwd fc1", True),
+    "moe: the second local expert runs the first one's weights": (
+        "moe-offby1-ep4-bf16-cap_none.emesh_dense.norm_off.route_rand.score_softmax-e8.f16.h8.k2.t24-seed0",
+        None, "fwd expert expert=1", True),
+    "pp: the last stage doubles microbatch 1's loss": (
+        "pp-mb1x2-pp4.dp2-fp32-sched_interleaved.tied_on-b8.f16.h8.l8.m4.s4.v24.vs2-seed0", {"dp": 1},
+        "bwd head microbatch=1", False),
+    "fsdp: the all-gather swaps two ranks' shards of W1": (
+        "fsdp-swapgather-rep2.shard4-bf16-plain-b72.f13.h6.m1.o5-seed0", {"rep": 1, "shard": 2},
+        "fwd weights layer=0 step=1", True),
+    "ckpt: the load puts W1's rows one off": (
+        "ckpt-rotload-w4-fp32-load_ours4.save_hsdp2x2-b24.f10.h6-seed0", None, "load checkpoint", True),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", PLANTED)
+def test_bisect_names_the_minimal_config_and_the_event_where_a_planted_bug_lives(tmp_path, bug):
+    cell, dims, event, starts_there = PLANTED[bug]
+    done = bisect(tmp_path, "run", cell)
+    assert done.returncode == 1, done.stdout + done.stderr
+    found = result(tmp_path)
+    minimal = Config.parse(found["minimal"])
+    assert found["minimal"] != cell and minimal.world <= Config.parse(cell).world
+    if dims is not None:
+        assert minimal.dims == dims, found
+    assert minimal.dtype == "fp32" and found["trials"] <= 40
+    place = found["localisation"]
+    assert place["first_diverging"]["event"] == event, place
+    if starts_there:  # its inputs match the reference: this operation is where the error starts
+        assert place["origin"]["event"] == event and f"where it starts: {event}:" in done.stdout
+    else:  # its inputs already differ: the error is in unrecorded code just before it (the loss scaling)
+        assert place["origin"] is None and place["last_matching"] == "fwd head microbatch=1"
 
 
 @pytest.mark.slow

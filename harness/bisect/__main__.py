@@ -9,9 +9,10 @@ import time
 from pathlib import Path
 
 from ..config import Config, ConfigError
-from ..pool import Pool, shared_pool
+from ..pool import CaseFailure, Pool, PoolError, shared_pool
 from ..registry import get
 from . import __doc__ as DOC
+from .localise import localise
 from .runner import EXIT, Trials
 from .shrink import Budget, Search
 
@@ -167,12 +168,27 @@ def _bisect(args, trials: Trials, out: Path, started: float) -> int:
     result = {"verdict": "divergence", "original": original.id, "minimal": minimal.id, "signature": str(target),
               "kind": target.kind, "tensors": list(target.tensors), **roles, "trials": trials.count,
               "seconds": round(seconds, 2), "reproduce": _reproduce(minimal)}
+    place = _localise(minimal, trials) if trials.pool is not None else None
+    if place is not None:
+        result["localisation"] = place.as_json()
     _write_result(out, result)
     essential = ", ".join(roles["essential"]) or "none beyond the component itself"
     print(f"\nminimal: {minimal.id} fails with {target}; essential: {essential}; "
           f"{trials.count} trials, {seconds:.1f} s")
+    if place is not None:
+        print(place.summary())
     print(f"reproduce: {result['reproduce']}")
     return EXIT["bad"]
+
+
+def _localise(cfg: Config, trials: Trials):
+    """The minimal config once more, with events recorded on both sides (not counted as a trial:
+    it answers where, not whether). A crash or hang in this run leaves the answer without a place."""
+    try:
+        return localise(cfg, trials.pool)
+    except (CaseFailure, PoolError) as error:
+        print(f"events of {cfg.id} could not be recorded: {str(error).splitlines()[0]}", file=sys.stderr)
+        return None
 
 
 def _write_result(out: Path, result: dict) -> None:

@@ -1,0 +1,172 @@
+"""Localisation: the first event where a parallel run leaves the reference.
+
+The reference runs in this process and the implementation in the pool, both with event recording on
+(:mod:`harness.events`). Events are matched by key, in the reference's order; each parallel event's
+tensors are assembled from the ranks that recorded it and held against the reference's under the
+tolerance policy. Two answers:
+
+* the **first diverging event**: the first whose tensors, inputs or outputs, differ at all;
+* **where it starts**: the first whose inputs all match but whose outputs do not. Error propagates
+  forward (and backward) from there, so this is the operation to read.
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from .. import events
+from ..cell import assemble_result, parity
+from ..compare import Row, compare
+from ..config import Config
+from ..layout import AssemblyError, MeshLayout, assemble
+from ..pool import Pool
+from ..registry import _load, validate
+from ..tolerance import tolerance
+
+
+def recorded_run(ctx, payload: tuple[str, Config]) -> dict:
+    """Pool task: the cell's implementation (its import path: the rank processes do not see
+    registrations made in the parent's conftest) with event recording on, on this rank."""
+    path, cfg = payload
+    with events.recording() as log:
+        try:
+            result, error = _load(path)(ctx, cfg), ""
+        except Exception as raised:  # the events up to a crash still say where it went wrong
+            result, error = None, f"{type(raised).__name__}: {raised}"
+    return {"result": result, "events": log, "error": error}
+
+
+def _numbered(log: list[events.Event]) -> list[events.Event]:
+    """An operation recorded twice under one key (a layer applied twice) gets ``#2``, ``#3``."""
+    seen: Counter = Counter()
+    out = []
+    for event in log:
+        seen[event.key] += 1
+        if seen[event.key] > 1:
+            event = events.Event(f"{event.key} #{seen[event.key]}", event.inputs, event.outputs)
+        out.append(event)
+    return out
+
+
+@dataclass
+class Finding:
+    """One event held against the reference: its failing rows, by role."""
+
+    key: str
+    inputs: list[Row] = field(default_factory=list)
+    outputs: list[Row] = field(default_factory=list)
+    note: str = ""  # why it could not be compared
+
+    @property
+    def diverges(self) -> bool:
+        return any(not r.ok for r in self.inputs + self.outputs)
+
+    @property
+    def starts_here(self) -> bool:
+        return all(r.ok for r in self.inputs) and any(not r.ok for r in self.outputs)
+
+    def describe(self) -> str:
+        bad = [("input", r) for r in self.inputs if not r.ok] + [("output", r) for r in self.outputs if not r.ok]
+        parts = [f"{role} {r.tensor}: {r.problem}, err/tol {r.ratio:.3g}, norm ratio {r.norm_ratio:.4g}"
+                 + (f", ranks {r.ranks}" if r.ranks else "") for role, r in bad]
+        return f"{self.key} ({'; '.join(parts)})"
+
+
+@dataclass
+class Localisation:
+    reference_events: int
+    implementation_events: int
+    compared: int = 0
+    first_diverging: Finding | None = None
+    last_matching: str = ""  # the event compared just before the first diverging one
+    origin: Finding | None = None
+    result_ok: bool | None = None  # whether this run's end result matched the reference
+    unrecorded: list[str] = field(default_factory=list)  # reference events the implementation lacks
+    uncompared: list[Finding] = field(default_factory=list)
+
+    def summary(self) -> str:
+        if self.implementation_events == 0:
+            return ("no events: this implementation records none (see README, 'Events for bisect'), "
+                    "so bisect cannot say where the divergence starts")
+        unrecorded = (f"; {len(self.unrecorded)} reference events were not recorded by the implementation"
+                      if self.unrecorded else "")
+        if self.first_diverging is None:
+            if self.result_ok:
+                return f"all {self.compared} compared events match, and so does the result{unrecorded}"
+            return (f"all {self.compared} compared events match: the divergence starts after the last recorded "
+                    f"event (in the gradient reduction or the optimizer step){unrecorded}")
+        lines = [f"first diverging event: {self.first_diverging.describe()}"]
+        if self.origin is not None:
+            lines.append(f"where it starts: {self.origin.key}: its inputs match the reference, its outputs do not"
+                         + ("" if self.origin is self.first_diverging else f" ({self.origin.describe()})"))
+        else:
+            after = f"after {self.last_matching}, the last event that matches, " if self.last_matching else ""
+            lines.append(f"where it starts: {after}before {self.first_diverging.key}, whose inputs already differ: "
+                         "in code between them that records no event")
+        return "\n".join(lines)
+
+    def as_json(self) -> dict:
+        def one(f: Finding | None):
+            if f is None:
+                return None
+            return {"event": f.key, "failing": [
+                {"role": role, "tensor": r.tensor, "problem": r.problem, "ratio": r.ratio,
+                 "norm_ratio": r.norm_ratio, "ranks": r.ranks}
+                for role, rows in (("input", f.inputs), ("output", f.outputs)) for r in rows if not r.ok]}
+
+        return {"reference_events": self.reference_events, "implementation_events": self.implementation_events,
+                "compared": self.compared, "result_matches": self.result_ok,
+                "first_diverging": one(self.first_diverging), "last_matching": self.last_matching or None,
+                "origin": one(self.origin),
+                "unrecorded": self.unrecorded[:20]}
+
+
+def localise(cfg: Config, pool: Pool) -> Localisation:
+    """Record the reference's and the implementation's events for ``cfg`` and find the divergence."""
+    component = validate(cfg, pool.size)
+    with events.recording() as log:
+        component.reference_result(cfg)
+    reference = _numbered(log)
+    run = component.implementations[cfg.impl].run
+    per_rank = pool.run("harness.bisect.localise:recorded_run", (run, cfg), cfg.mesh, seed=cfg.seed,
+                        label=f"{cfg.id} (recording events)", extra_meshes=component.extra_meshes(cfg))
+    try:
+        results = {r: got["result"] for r, got in per_rank.items()}
+        result_ok = None not in results.values() and parity(cfg, component, assemble_result(cfg, results))[1].ok
+    except AssemblyError:
+        result_ok = False
+    parallel: dict[str, dict[int, events.Event]] = defaultdict(dict)
+    for rank, got in per_rank.items():
+        for event in _numbered(got["events"]):
+            parallel[event.key][rank] = event
+    sizes = component.reduction_size(cfg)
+    tol = tolerance(cfg.dtype, sizes if isinstance(sizes, int) else sizes["*"])
+    layout = MeshLayout.of(cfg.mesh)
+    found = Localisation(len(reference), len(parallel), result_ok=result_ok)
+    for want in reference:
+        ranks = parallel.get(want.key)
+        if not ranks:
+            found.unrecorded.append(want.key)
+            continue
+        finding = Finding(want.key)
+        try:
+            for role in ("inputs", "outputs"):
+                expected = {n: p.tensor for n, p in getattr(want, role).items()}
+                got = {n: assemble(f"{want.key} {n}", {r: getattr(e, role)[n] for r, e in ranks.items()
+                                                        if n in getattr(e, role)}, layout, every_rank=False)
+                       for n in expected if any(n in getattr(e, role) for e in ranks.values())}
+                getattr(finding, role).extend(compare(got, expected, tol).rows)
+        except AssemblyError as error:
+            finding.note = str(error)
+            found.uncompared.append(finding)
+            continue
+        found.compared += 1
+        if finding.diverges and found.first_diverging is None:
+            found.first_diverging = finding
+        elif found.first_diverging is None:
+            found.last_matching = finding.key
+        if finding.starts_here and found.origin is None:
+            found.origin = finding
+        if found.origin is not None:
+            break
+    return found
