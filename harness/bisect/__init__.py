@@ -11,7 +11,10 @@
   here, for ``git bisect run python -m harness.bisect check <id>``.
 
 Trials run in one warm pool; each is logged as a JSON line; the end is one line, ``result.json``
-and the command that reproduces the minimal cell.
+and the command that reproduces the minimal cell. Then the minimal cell runs once more with events
+recorded in the reference and in the implementation (:mod:`harness.events`, :mod:`.localise`):
+the first event that diverges, and where the divergence starts (the first event whose inputs
+match the reference and whose outputs do not).
 """
 from .runner import EXIT, Trials  # noqa: F401
 from .shrink import Search, steps  # noqa: F401
