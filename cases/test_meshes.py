@@ -4,7 +4,7 @@ The matrix: every way to factor 8 ranks into the five dense degrees (pp, dp_repl
 cp, tp: 35 layouts), each given a sparse layout that alternates between the two ways ep borrows
 ranks (etp = tp: ep from dp_shard·cp; etp = 1: ep from dp_shard·cp·tp) and between the largest ep
 the lender allows and the smallest, plus a few layouts of 2 and 4 ranks (built as side-by-side copies
-over the pool). Each layout is built on real gloo ranks by ``harness.meshes.build``; each rank's
+over the pool). Each layout is built on real gloo ranks by ``harness.meshes.device_mesh.build``; each rank's
 coordinates and groups are held to ``MeshSpec``, an all-reduce over each group must sum the model's
 ranks, groups of one name must partition the pool, and the sparse groups must sit inside the dense
 ones they borrow from.
@@ -19,9 +19,9 @@ import itertools
 import pytest
 
 from harness.layout import MeshLayout
-from harness.mesh_check import check_borrowing, check_comm_map, check_partition, check_rank
-from harness.meshes import NAMES, MeshSpec
-from harness.thirdparty_meshes import (DEFAULT_ORDER, MEGATRON_INSTALL, MEGATRON_TO_OURS, TORCHTITAN_INSTALL,
+from harness.meshes.check import check_borrowing, check_comm_map, check_partition, check_rank
+from harness.meshes.device_mesh import NAMES, MeshSpec
+from harness.meshes.thirdparty import (DEFAULT_ORDER, MEGATRON_INSTALL, MEGATRON_TO_OURS, TORCHTITAN_INSTALL,
                                        TORCHTITAN_TO_OURS, compare, megatron_as_spec, megatron_model)
 
 
@@ -59,7 +59,7 @@ def test_every_named_group_of_every_rank_matches_the_model(text, rank_pool):
     spec = MeshSpec.parse(text)
     if rank_pool.size % spec.world:
         pytest.skip(f"world {spec.world} does not divide the pool of {rank_pool.size}")
-    seen = rank_pool.run("harness.meshes:describe_layouts", [spec.id], _whole_pool(rank_pool))
+    seen = rank_pool.run("harness.meshes.device_mesh:describe_layouts", [spec.id], _whole_pool(rank_pool))
     assert sorted(seen) == list(range(rank_pool.size))
     errors, copies = [], {}
     for rank, result in seen.items():
@@ -90,7 +90,7 @@ CLAIM = (("dp", 2), ("pp", 2), ("tp", 2))
 
 
 def _claimed_groups(rank_pool):
-    seen = rank_pool.run("harness.tasks:describe_mesh", None, CLAIM)
+    seen = rank_pool.run("harness.pool.tasks:describe_mesh", None, CLAIM)
     return {rank: got["groups"] for rank, got in seen.items()}
 
 
@@ -112,7 +112,7 @@ def test_a_mutated_comm_map_is_caught_naming_rank_and_group(rank_pool):
 
 def test_the_comm_map_is_not_another_order_of_the_same_dims(rank_pool):
     """The claim matters: the same map read as (pp, dp, tp) is wrong for pp and dp."""
-    seen = rank_pool.run("harness.tasks:describe_mesh", None, (("pp", 2), ("dp", 2), ("tp", 2)))
+    seen = rank_pool.run("harness.pool.tasks:describe_mesh", None, (("pp", 2), ("dp", 2), ("tp", 2)))
     errors = check_comm_map(COMM_MAP, {r: g["groups"] for r, g in seen.items()}, "(pp, dp, tp) = (2, 2, 2)")
     assert {e.split(" along ")[1].split(",")[0] for e in errors if " along " in e} == {"pp", "dp"}
 
@@ -146,7 +146,7 @@ def megatron_pool():
     """A pool of 8 ranks whose zygote imported Megatron-Core once (it costs seconds per process)."""
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         pytest.skip(f"megatron-core is not installed: {MEGATRON_INSTALL}")
-    from harness.pool import Pool, default_preload
+    from harness.pool.parent import Pool, default_preload
 
     # generous limits: the import and ~30 new_group calls per config crawl on a loaded 2-core machine
     pool = Pool(size=8, preload=default_preload() + ("megatron.core.parallel_state",), deadline=120.0,
@@ -162,7 +162,7 @@ def megatron_seen(megatron_pool):
 
     def seen(i):
         if i not in cache:
-            got = megatron_pool.run("harness.thirdparty_meshes:megatron_groups", [MEGATRON[i]], (("world", 8),))
+            got = megatron_pool.run("harness.meshes.thirdparty:megatron_groups", [MEGATRON[i]], (("world", 8),))
             cache[i] = {rank: results[0] for rank, results in got.items()}
         return cache[i]
 
@@ -214,13 +214,13 @@ TORCHTITAN = [
 def torchtitan_seen():
     if importlib.util.find_spec("torchtitan") is None:
         pytest.skip(f"torchtitan is not installed: {TORCHTITAN_INSTALL}")
-    from harness.pool import Pool, default_preload
+    from harness.pool.parent import Pool, default_preload
 
     pool = Pool(size=8, preload=default_preload() + ("torch.distributed.fsdp", "torchtitan.distributed.parallel_dims"),
                 deadline=120.0, start_timeout=600.0)
     try:
         # one task per config: each gets the whole deadline on a loaded machine
-        per = [pool.run("harness.thirdparty_meshes:torchtitan_groups", [item], (("world", 8),)) for item in TORCHTITAN]
+        per = [pool.run("harness.meshes.thirdparty:torchtitan_groups", [item], (("world", 8),)) for item in TORCHTITAN]
         yield {rank: [p[rank][0] for p in per] for rank in per[0]}
     finally:
         pool.close()

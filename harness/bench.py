@@ -30,7 +30,7 @@ import time
 from .cell import assemble_result, parity, run_cell
 from .config import Config
 from .layout import MeshLayout
-from .pool import Pool
+from .pool.parent import Pool
 from .registry import validate
 from reference.checkpoint import SIZES as CKPT_SIZES
 
@@ -64,7 +64,7 @@ def _spawned_rank(rank: int, world: int, store_path: str, cfg: Config, out) -> N
     from torch.distributed.device_mesh import DeviceMesh
 
     from .context import RankContext
-    from .rank import resolve
+    from .pool.rank import resolve
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
@@ -114,8 +114,8 @@ def main(argv=None) -> dict:
     empty = {}
     for world in (2, 4, 8):
         mesh = (("tp", world),)
-        pool.run("harness.tasks:noop", None, mesh)  # creates and caches the mesh's groups
-        empty[str(world)] = _median_ms(lambda: pool.run("harness.tasks:noop", None, mesh), args.repeats)
+        pool.run("harness.pool.tasks:noop", None, mesh)  # creates and caches the mesh's groups
+        empty[str(world)] = _median_ms(lambda: pool.run("harness.pool.tasks:noop", None, mesh), args.repeats)
     cell_repeats = max(20, args.repeats // 10)
     cell_ms = {}
     for name, cfg in CELLS.items():

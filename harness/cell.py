@@ -7,13 +7,13 @@ from pathlib import Path
 
 import torch
 
-from .compare import Report, compare
+from .compare.diff import Report, compare
 from .config import Config
-from .golden import GoldenError, MissingGolden, golden_path, metadata, read_golden, update_command, write_golden
+from .golden.store import GoldenError, MissingGolden, golden_path, metadata, read_golden, update_command, write_golden
 from .layout import AssemblyError, MeshLayout, assemble
-from .pool import Pool
+from .pool.parent import Pool
 from .registry import Component, validate
-from .tolerance import Tolerances
+from .compare.tolerance import Tolerances
 
 
 class Divergence(AssertionError):

@@ -18,7 +18,7 @@ import pytest
 
 from .config import Config, ConfigError
 from .layout import MeshLayout
-from .pool import DEFAULT_DEADLINE, DEFAULT_SIZE, CaseFailure, PoolError, shared_pool
+from .pool.parent import DEFAULT_DEADLINE, DEFAULT_SIZE, CaseFailure, PoolError, shared_pool
 
 PROPERTY = "parity"
 
@@ -55,7 +55,7 @@ def pytest_configure(config):
     deadline = opt("--case-deadline")
     if not deadline > 0:
         raise _usage("--case-deadline", deadline, "must be a positive number of seconds, e.g. --case-deadline 30")
-    from .backend import resolve
+    from .pool.backend import resolve
 
     try:
         resolve(opt("--backend"))
@@ -144,13 +144,13 @@ def pytest_collection_finish(session):
     _check_implementations()  # registrations made by conftests collected late
     users = [item for item in session.items if "rank_pool" in getattr(item, "fixturenames", ())]
     if users and not session.config.option.collectonly:
-        from .pool import default_preload
+        from .pool.parent import default_preload
 
         cfgs = [_cell_config(item) for item in users]
         # the ranks import what the selected cells run, no more: one cell by id starts fast
         preload = default_preload(cfgs) if all(cfgs) else None
         _pool(session.config, _needed_ranks(users, session.config.getoption("--pool-size")), preload).launch()
-        from .rank import warm_up
+        from .pool.rank import warm_up
 
         warm_up()
 
@@ -200,7 +200,7 @@ def _worst(report) -> dict:
 def parity(request, rank_pool, pytestconfig):
     """``parity(cfg)``: run the cell in the pool, compare with the reference and its golden file."""
     from .cell import Divergence, run_cell
-    from .golden import GoldenError
+    from .golden.store import GoldenError
     from .layout import AssemblyError
     from .registry import validate
 

@@ -50,7 +50,7 @@ from harness import events
 from harness.config import Config, ConfigError
 from harness.context import RankContext
 from harness.layout import Piece, Shard, take
-from harness.tolerance import Tolerances
+from harness.compare.tolerance import Tolerances
 from reference.checkpoint import MOMENTS, PARAMS, make_problem, reduction_size
 from reference.common import adamw, param_name, probe_loss, state_name
 

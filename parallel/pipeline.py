@@ -33,7 +33,7 @@ from harness.config import Config, ConfigError
 from harness.context import RankContext
 from harness.events import At
 from harness.layout import MeshLayout, Piece, Shard, empty_chunk_rule, piece_index, take
-from harness.tolerance import TORCH_DTYPE
+from harness.compare.tolerance import TORCH_DTYPE
 from reference.common import adamw, grad_name, param_name, state_name
 from reference.pipeline import BLOCK, GRAD_SCALE, make_problem, tied
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from harness.config import Config
 from harness.context import RankContext
 from harness.layout import Piece, Shard, take
-from harness.tolerance import TORCH_DTYPE
+from harness.compare.tolerance import TORCH_DTYPE
 from reference.common import adamw, grad_name, param_name, state_name
 from reference.pipeline import BLOCK, GRAD_SCALE, make_problem, tied
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from harness.config import Config
 from harness.context import RankContext
 from harness.layout import Piece, take
-from harness.tolerance import TORCH_DTYPE
+from harness.compare.tolerance import TORCH_DTYPE
 from reference.common import grad_name, param_name, probe_loss
 from reference.tp import make_problem
 

@@ -19,7 +19,7 @@ from harness import events
 from harness.config import Config
 from harness.context import generator
 from harness.layout import Shard, shard_indices
-from harness.tolerance import TORCH_DTYPE
+from harness.compare.tolerance import TORCH_DTYPE
 
 from .common import grad_name, probe_loss, record_step
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from harness import events
 from harness.config import Config
 from harness.context import generator
-from harness.tolerance import TORCH_DTYPE
+from harness.compare.tolerance import TORCH_DTYPE
 
 from .common import grad_name, probe_loss, record_step
 

@@ -4,7 +4,7 @@ import sys
 import pytest
 from hypothesis import settings
 
-from harness.pool import Pool
+from harness.pool.parent import Pool
 
 # no example database written; no per-example deadline on a loaded 2-core machine. (Hypothesis still
 # caches code constants in .hypothesis/, gitignored like __pycache__.)

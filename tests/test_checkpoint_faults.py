@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from harness.config import Config
-from harness.pool import CaseFailure
+from harness.pool.parent import CaseFailure
 from parallel.checkpoint import _local, parse_layout, side
 from parallel.checkpoint_io import MANIFEST, METADATA, CheckpointError
 from reference.checkpoint import SIZES, make_problem

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from harness.compare import compare
+from harness.compare.diff import compare
 from harness.layout import MeshLayout, Piece, Shard, assemble
-from harness.tolerance import TORCH_DTYPE, tolerance
+from harness.compare.tolerance import TORCH_DTYPE, tolerance
 
 
 def reference(*shape, seed=0):
@@ -87,7 +87,7 @@ def test_tolerance_grows_with_reduction_size_and_dtype():
 
 
 def test_each_tensor_gets_its_own_reduction_size():
-    from harness.tolerance import Tolerances
+    from harness.compare.tolerance import Tolerances
 
     tols = Tolerances("fp32", {"*": 16, "loss": 4096})
     assert tols.get("loss").rtol == tolerance("fp32", 4096).rtol

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from harness.cell import CellOutcome, Divergence, check_golden
-from harness.compare import Report
+from harness.compare.diff import Report
 from harness.config import Config
-from harness.golden import GoldenError, golden_path, read_golden, write_golden
-from harness.tolerance import tolerance
+from harness.golden.store import GoldenError, golden_path, read_golden, write_golden
+from harness.compare.tolerance import tolerance
 
 CFG = Config("tp", "ours", {"tp": 2}, "bf16", {"b": 4}, {"op": "mlp"})
 RERUN = "python -m pytest 'cases/test_tp.py::test_tp[x]'"
@@ -35,7 +35,7 @@ WRITE = """
 import sys, torch
 sys.path.insert(0, {root!r})
 from tests.test_golden import tensors, CFG
-from harness.golden import write_golden
+from harness.golden.store import write_golden
 from pathlib import Path
 write_golden(Path(sys.argv[1]), tensors(), {{"config": CFG.id, "b": "2", "a": "1"}})
 """

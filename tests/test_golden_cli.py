@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness.config import Config
-from harness.golden import META_KEY
+from harness.golden.store import META_KEY
 from harness.registry import get
-from harness.tolerance import Tolerances
+from harness.compare.tolerance import Tolerances
 
 from .ci_project import ROOT, run_project
 

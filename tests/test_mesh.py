@@ -11,7 +11,7 @@ MESHES = ["tp=1", "tp=4", "dp=2,tp=2", "dp=4,tp=2", "dp=2,tp=4", "pp=2,dp=2,tp=2
 def test_device_mesh_matches_the_row_major_model(text, rank_pool):
     dims = mesh(text)
     layout = MeshLayout.of(dims)
-    seen = rank_pool.run("harness.tasks:describe_mesh", None, dims)
+    seen = rank_pool.run("harness.pool.tasks:describe_mesh", None, dims)
     assert sorted(seen) == list(range(layout.world))
     for rank, got in seen.items():
         assert got["coords"] == layout.coords(rank)
@@ -25,7 +25,7 @@ def test_device_mesh_matches_the_row_major_model(text, rank_pool):
 def test_each_dim_group_carries_its_own_traffic(text, dim, rank_pool):
     dims = mesh(text)
     layout = MeshLayout.of(dims)
-    sums = rank_pool.run("harness.tasks:all_reduce_rank", dim, dims)
+    sums = rank_pool.run("harness.pool.tasks:all_reduce_rank", dim, dims)
     for rank, total in sums.items():
         (group,) = [g for g in layout.groups(dim) if rank in g]
         assert total == sum(group)
@@ -36,7 +36,7 @@ def test_extra_meshes_over_one_world_match_the_model(cell, extra, rank_pool):
     """A sparse (expert) mesh beside the dense one, or a smaller mesh a checkpoint loads under."""
     dims, other = mesh(cell), mesh(extra)
     layout = MeshLayout.of(other)
-    seen = rank_pool.run("harness.tasks:describe_mesh", other, dims, extra_meshes=[other])
+    seen = rank_pool.run("harness.pool.tasks:describe_mesh", other, dims, extra_meshes=[other])
     for rank, got in seen.items():
         if rank >= layout.world:
             assert got is None

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from harness.config import ConfigError
 from harness.layout import MeshLayout
-from harness.meshes import DENSE, NAMES, MeshSpec
+from harness.meshes.device_mesh import DENSE, NAMES, MeshSpec
 
 
 @st.composite

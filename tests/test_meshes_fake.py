@@ -4,14 +4,14 @@ The layouts: for each world, five shapes a trainer runs (FSDP with experts over 
 dims with ep borrowing tp; pp with tp reused by experts; HSDP-heavy with cp; deep pp with small
 groups), dp_shard taking what the other degrees leave and ep as large as the lender allows. The
 default process group is process-global, so the layouts run in two subprocesses (one per core), each
-re-initialising the fake world once per rank it plays (see ``harness.meshes_fake``).
+re-initialising the fake world once per rank it plays (see ``harness.meshes.fake``).
 """
 import json
 import subprocess
 import sys
 import time
 
-from harness.meshes import MeshSpec
+from harness.meshes.device_mesh import MeshSpec
 
 from .conftest import ROOT
 
@@ -41,7 +41,7 @@ def layouts() -> list[str]:
 def run_fake(specs: list[str], **job) -> list[dict]:
     """Check ``specs`` in two subprocesses side by side; one result per layout."""
     halves = [specs[0::2], specs[1::2]]
-    procs = [subprocess.Popen([sys.executable, "-m", "harness.meshes_fake", json.dumps({"specs": h, **job})],
+    procs = [subprocess.Popen([sys.executable, "-m", "harness.meshes.fake", json.dumps({"specs": h, **job})],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for h in halves if h]
     results = []
@@ -83,8 +83,8 @@ def test_every_layout_matches_the_model_on_the_fake_backend():
 
 def test_swapped_groups_are_named():
     """Groups enumerated with two sparse dims swapped (ep for efsdp): the check names both."""
-    from harness.mesh_check import check_all_groups
-    from harness.meshes import NAMES
+    from harness.meshes.check import check_all_groups
+    from harness.meshes.device_mesh import NAMES
 
     spec = MeshSpec.parse("world=64,dp_shard=8,tp=8,ep=8,etp=8")
     partitions = {n: spec.groups(n) for n in NAMES}

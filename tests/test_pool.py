@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from harness.pool import CaseFailure, Pool
+from harness.pool.parent import CaseFailure, Pool
 from tests.conftest import run_python
 
 TP4 = (("tp", 4),)
@@ -23,7 +23,7 @@ def test_rank_that_raises_reports_every_rank(small_pool):
     for rank in (0, 2, 3):  # left waiting in the collective rank 1 never joined
         assert f"rank {rank}: hung: in all_reduce" in text
     assert {o.status for o in failure.value.outcomes.values()} == {"raised", "hung"}
-    assert small_pool.run("harness.tasks:noop", None, TP4) == {r: None for r in range(4)}
+    assert small_pool.run("harness.pool.tasks:noop", None, TP4) == {r: None for r in range(4)}
 
 
 def test_every_rank_raising_keeps_the_pool(small_pool):
@@ -33,7 +33,7 @@ def test_every_rank_raising_keeps_the_pool(small_pool):
         small_pool.run("tests.faults:raise_everywhere", None, TP4)
     for rank in range(4):
         assert f"RuntimeError: planted failure on rank {rank}" in str(failure.value)
-    small_pool.run("harness.tasks:noop", None, TP4)
+    small_pool.run("harness.pool.tasks:noop", None, TP4)
     assert small_pool.starts == starts  # nobody was stuck: no restart needed
 
 
@@ -56,13 +56,13 @@ def test_rank_that_exits_is_named_with_its_exit_code(small_pool):
     with pytest.raises(CaseFailure) as failure:
         small_pool.run("tests.faults:exit_on_rank1", 7, TP4)
     assert "rank 1: died: process died (exit code 7)" in str(failure.value)
-    small_pool.run("harness.tasks:noop", None, TP4)
+    small_pool.run("harness.pool.tasks:noop", None, TP4)
 
 
 def test_result_the_parent_cannot_unpickle_is_named(small_pool):
     with pytest.raises(CaseFailure, match="its result cannot be unpickled in the parent"):
         small_pool.run("tests.faults:unpicklable_result", None, (("tp", 2),))
-    small_pool.run("harness.tasks:noop", None, TP4)
+    small_pool.run("harness.pool.tasks:noop", None, TP4)
 
 
 def test_random_state_is_private_per_rank_and_fixed_by_the_seed(small_pool):
@@ -78,10 +78,10 @@ def test_random_state_is_private_per_rank_and_fixed_by_the_seed(small_pool):
 
 
 def test_mesh_larger_than_pool_is_refused_before_running(small_pool):
-    from harness.pool import PoolError
+    from harness.pool.parent import PoolError
 
     with pytest.raises(PoolError, match="needs 8 ranks but the pool has 4"):
-        small_pool.run("harness.tasks:noop", None, (("tp", 8),))
+        small_pool.run("harness.pool.tasks:noop", None, (("tp", 8),))
 
 
 def test_two_pools_side_by_side_do_not_collide():
@@ -90,8 +90,8 @@ def test_two_pools_side_by_side_do_not_collide():
     try:
         a.start()
         b.start()
-        assert a.run("harness.tasks:all_reduce_rank", "tp", (("tp", 2),)) == {0: 1.0, 1: 1.0}
-        assert b.run("harness.tasks:all_reduce_rank", "tp", (("tp", 2),)) == {0: 1.0, 1: 1.0}
+        assert a.run("harness.pool.tasks:all_reduce_rank", "tp", (("tp", 2),)) == {0: 1.0, 1: 1.0}
+        assert b.run("harness.pool.tasks:all_reduce_rank", "tp", (("tp", 2),)) == {0: 1.0, 1: 1.0}
     finally:
         a.close()
         b.close()
@@ -99,7 +99,7 @@ def test_two_pools_side_by_side_do_not_collide():
 
 START_POOL = """
 import json, sys
-from harness.pool import Pool
+from harness.pool.parent import Pool
 pool = Pool(size=2)
 pool.start()
 print(json.dumps([pool.pids, pool._tmp]), flush=True)

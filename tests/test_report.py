@@ -8,10 +8,10 @@ import sys
 import matplotlib.image
 import pytest
 
-from harness.heatmap import FAIL, grid, render
-from harness.junit import read
-from harness.compare import Report, Row
-from harness.report import annotations, table_rows
+from harness.report.heatmap import FAIL, grid, render
+from harness.report.junit import read
+from harness.compare.diff import Report, Row
+from harness.report.markdown import annotations, table_rows
 
 from .ci_project import CASES, ROOT, expected_red, make_project, run_project
 

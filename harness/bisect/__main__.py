@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from ..config import Config, ConfigError
-from ..pool import CaseFailure, Pool, PoolError, shared_pool
+from ..pool.parent import CaseFailure, Pool, PoolError, shared_pool
 from ..registry import get
 from . import __doc__ as DOC
 from .localise import localise

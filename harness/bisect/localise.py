@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 from .. import events
 from ..cell import assemble_result, parity
-from ..compare import Row, compare
+from ..compare.diff import Row, compare
 from ..config import Config
 from ..layout import AssemblyError, MeshLayout, assemble
-from ..pool import Pool
+from ..pool.parent import Pool
 from ..registry import _load, validate
-from ..tolerance import tolerance
+from ..compare.tolerance import tolerance
 
 
 def recorded_run(ctx, payload: tuple[str, Config]) -> dict:

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from ..cell import CellOutcome, execute
-from ..compare import compare
+from ..compare.diff import compare
 from ..config import Config, ConfigError
 from ..layout import AssemblyError
-from ..pool import CaseFailure, Pool, PoolError
+from ..pool.parent import CaseFailure, Pool, PoolError
 from ..registry import validate
 from .shrink import Budget
 from .signature import Signature, of_report

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..compare import Report
+from ..compare.diff import Report
 
 FAILURES = ("crash", "hang", "nan", "scale", "mismatch", "bad")
 FIT = 0.01  # a scaled tensor is within 1% (bf16 rounding and more) of factor * reference

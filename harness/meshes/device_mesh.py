@@ -23,8 +23,8 @@ import functools
 import math
 from dataclasses import dataclass, fields
 
-from .config import ConfigError
-from .layout import MeshLayout
+from ..config import ConfigError
+from ..layout import MeshLayout
 
 DENSE = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 SPARSE = ("pp", "dp_replicate", "efsdp", "ep", "etp")

@@ -141,7 +141,7 @@ COMPONENT_HEADERS = ["component", "passed", "failed", "skipped", "worst err/tol"
 
 
 TABLE_COLUMNS = ("tensor", "problem", "worst index", "actual", "expected", "abs err", "rel err", "tol", "err/tol",
-                 "norm ratio", "bad", "bad ranks")  # harness.compare.Report.table()
+                 "norm ratio", "bad", "bad ranks")  # harness.compare.diff.Report.table()
 
 
 def table_rows(text: str) -> list[dict[str, str]]:
@@ -336,6 +336,3 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .config import Config
+from ..config import Config
 
 META_KEY = "harness"
 
@@ -86,10 +86,3 @@ def read_golden(path: Path, cfg: Config, rerun: str = "") -> tuple[dict[str, tor
                           f"recreate it with\n  {fix}")
     return tensors, meta
 
-
-if __name__ == "__main__":  # python -m harness.golden diff [BASE_REV] | check
-    import sys
-
-    from harness.golden_cli import main
-
-    sys.exit(main())

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .layout import Assembled, grid
+from ..layout import Assembled, grid
 from .tolerance import Tolerance, Tolerances
 
 

@@ -1,6 +1,6 @@
 """Mesh layouts at scale, in one process, on PyTorch's ``fake`` process-group backend.
 
-``python -m harness.meshes_fake '<json>'`` checks each layout of ``{"specs": [...], "real_ranks": k,
+``python -m harness.meshes.fake '<json>'`` checks each layout of ``{"specs": [...], "real_ranks": k,
 "real_ranks_of": {spec: k}, "every_rank_upto": 1024, "sample": s, "seed": n}`` and prints one JSON
 line per layout. For each
 layout the process joins a fake world as one rank at a time (re-initialising the default group,
@@ -44,8 +44,8 @@ def check_layout(text: str, real_ranks: int, every_rank_upto: int, sample: int, 
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from .mesh_check import check_all_groups, check_borrowing, check_rank
-    from .meshes import NAMES, MeshSpec, build
+    from .check import check_all_groups, check_borrowing, check_rank
+    from .device_mesh import NAMES, MeshSpec, build
 
     spec = MeshSpec.parse(text)
     world = spec.world

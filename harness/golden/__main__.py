@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .config import Config, ConfigError
-from .golden import GoldenError, golden_path, read_golden
+from ..config import Config, ConfigError
+from .store import GoldenError, golden_path, read_golden
 
 SUFFIX = ".safetensors"
 
@@ -82,8 +82,8 @@ class FileChange:
 
 def _tolerances(stem: str):
     """The tolerance policy of the cell a golden file belongs to, or None if it cannot be known."""
-    from .registry import get
-    from .tolerance import Tolerances
+    from ..registry import get
+    from ..compare.tolerance import Tolerances
 
     try:
         cfg = Config.parse(stem)
@@ -94,7 +94,7 @@ def _tolerances(stem: str):
 
 def compare_tensors(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], stem: str) -> list[TensorChange]:
     """Every tensor that differs between two versions of one golden file, largest change first."""
-    from .compare import compare
+    from ..compare.diff import compare
 
     tol = _tolerances(stem)
     out = []
@@ -236,7 +236,7 @@ class CheckResult:
 
 
 def check(root: Path, golden_dir: Path, paths: list[str]) -> CheckResult:
-    from .registry import get
+    from ..registry import get
 
     collected = collect_cells(root, paths)
     result = CheckResult(cells=len(collected.cells), collection_errors=collected.errors)
@@ -322,3 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     result = check(root, (root / args.golden_dir).resolve(), args.paths)
     sys.stdout.write(check_text(result))
     return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

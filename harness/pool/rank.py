@@ -122,7 +122,7 @@ def seed_rank(seed: int, rank: int) -> None:
     """Private, deterministic global random state for this rank and task."""
     import torch
 
-    from .context import derive_seed
+    from ..context import derive_seed
 
     value = derive_seed("rank-global", seed, rank)
     torch.manual_seed(value)
@@ -142,8 +142,8 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
     from .backend import device_type, rank_device
-    from .context import RankContext
-    from .layout import MeshLayout
+    from ..context import RankContext
+    from ..layout import MeshLayout
 
     torch.set_num_threads(1)
     conn = Connection(fd)

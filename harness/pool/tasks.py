@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .context import RankContext
+from ..context import RankContext
 
 
 def noop(ctx: RankContext, payload):

@@ -1,4 +1,4 @@
-"""Checks of real mesh groups against the model (:class:`harness.meshes.MeshSpec`) and of the
+"""Checks of real mesh groups against the model (:class:`harness.meshes.device_mesh.MeshSpec`) and of the
 properties any layout must have, whoever built it.
 
 Each check returns a list of messages (empty: it holds); a message names the layout, the rank and
@@ -6,7 +6,7 @@ the group, so a failing test says where a rank map went wrong.
 """
 from __future__ import annotations
 
-from .meshes import FLATTENED, NAMES, MeshSpec
+from .device_mesh import FLATTENED, NAMES, MeshSpec
 
 
 def check_rank(spec: MeshSpec, rank: int, seen: dict) -> list[str]:

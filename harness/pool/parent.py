@@ -33,13 +33,13 @@ DEFAULT_SIZE = 8
 DEFAULT_DEADLINE = 30.0
 # How long the other ranks get to finish once one rank has raised or died: past it they are stuck.
 FAILURE_GRACE = 2.0
-PRELOAD = ("harness.context", "harness.layout", "harness.config", "harness.tasks")
+PRELOAD = ("harness.context", "harness.layout", "harness.config", "harness.pool.tasks")
 
 
 def default_preload(cfgs=None) -> tuple[str, ...]:
     """The harness's modules and the modules of the components and implementations ``cfgs`` use
     (every registered one when None)."""
-    from .registry import modules
+    from ..registry import modules
 
     return PRELOAD + tuple(modules(cfgs))
 
@@ -84,7 +84,7 @@ _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func
 def summarize_stack(text: str, root: str = "") -> tuple[str, str]:
     """(one-line summary, the stack of the rank's main thread) from a faulthandler dump."""
     threads = re.split(r"\n(?=(?:Current thread|Thread) 0x)", text.strip())
-    main = next((t for t in threads if "harness/rank.py" in t), threads[-1] if threads else "")
+    main = next((t for t in threads if "harness/pool/rank.py" in t), threads[-1] if threads else "")
     frames = [m.groupdict() for m in map(_FRAME.match, main.splitlines()) if m]  # innermost first
 
     # shortest readable path: relative to the working directory or the import root that holds it
@@ -99,7 +99,7 @@ def summarize_stack(text: str, root: str = "") -> tuple[str, str]:
         (f for f in frames if "torch/distributed" in f["file"]), None
     )
     caller = next(
-        (f for f in frames if "/torch/" not in f["file"] and not f["file"].endswith("harness/rank.py")), None
+        (f for f in frames if "/torch/" not in f["file"] and not f["file"].endswith("harness/pool/rank.py")), None
     )
     parts = []
     if collective:
@@ -160,7 +160,7 @@ class Pool:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
         with open(os.path.join(self._tmp, "zygote.log"), "wb") as err:
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", "from harness.rank import zygote_main; zygote_main()", json.dumps(spec)],
+                [sys.executable, "-c", "from harness.pool.rank import zygote_main; zygote_main()", json.dumps(spec)],
                 pass_fds=child_fds, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
                 start_new_session=True, env=env,
             )
@@ -252,7 +252,7 @@ class Pool:
         if (mesh, extra) not in self._built:
             # Building a mesh's groups is a round of new_group calls on every pool rank: setup, not
             # the case, so it runs first under the start timeout and the deadline measures the case.
-            self._task_in_scratch("harness.tasks:noop", None, mesh, extra, 0, world, self.start_timeout,
+            self._task_in_scratch("harness.pool.tasks:noop", None, mesh, extra, 0, world, self.start_timeout,
                                   f"{label} (building its meshes)")
             self._built.add((mesh, extra))
         return self._task_in_scratch(fn, payload, mesh, extra, seed, world,

@@ -18,8 +18,8 @@ meshes): run them on a mesh covering the whole pool.
 """
 from __future__ import annotations
 
-from .layout import MeshLayout
-from .meshes import MeshSpec
+from ..layout import MeshLayout
+from .device_mesh import MeshSpec
 
 MEGATRON_INSTALL = 'pip install -e ".[thirdparty]"  (megatron-core==0.16.1)'
 TORCHTITAN_INSTALL = "pip install --no-deps torchtitan==0.3.0 spmd-types==0.2.3 tyro  (its other dependencies are for training, not ParallelDims)"

@@ -14,7 +14,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .plugin import PROPERTY
+from ..plugin import PROPERTY
 
 
 @dataclass

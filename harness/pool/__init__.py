@@ -1,0 +1,10 @@
+"""The warm pool: rank processes forked once from a zygote that imported torch, joined in one
+process group, and sent one task at a time under a deadline.
+
+* :mod:`.parent`: :class:`Pool` in the pytest (or bisect) process: start, run a task, gather every
+  rank's outcome, kill and restart on a hang or a death;
+* :mod:`.rank`: the zygote and the rank loop, on the other side;
+* :mod:`.backend`: gloo or NCCL, and each rank's device;
+* :mod:`.tasks`: small tasks the harness itself sends (the empty case, mesh checks).
+"""
+from .parent import CaseFailure, Pool, PoolError, shared_pool  # noqa: F401
