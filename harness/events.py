@@ -118,11 +118,14 @@ def op(name: str, inputs: dict[str, Value], outputs: dict[str, Value], **where) 
 
     def on_output_grad(n: str, at: At | None):
         def hook(grad):
-            event.inputs[n] = _piece(grad, at, grad=True)
+            if pending:  # a later backward through the same tensor is not this event's
+                event.inputs[n] = _piece(grad, at, grad=True)
         return hook
 
     def on_input_grad(n: str, at: At | None):
         def hook(grad):
+            if n not in pending:
+                return
             event.outputs[n] = _piece(grad, at, grad=True)
             pending.discard(n)
             if not pending:  # the backward of this operation is complete
