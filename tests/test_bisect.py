@@ -1,14 +1,15 @@
 """harness.bisect on planted bugs: the minimal config, nondeterminism, budgets, git bisect run."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from harness.bisect.shrink import Search, fields
+from tests.checkout import copy_checkout
+
+from harness.bisect.shrink import Search
 from harness.bisect.signature import Signature, whole_factor
 from harness.config import Config
 
@@ -171,8 +172,7 @@ def test_a_command_oracle_and_the_trial_budget(tmp_path):
 @pytest.mark.slow
 def test_git_bisect_run_finds_the_commit_that_broke_a_cell(tmp_path):
     repo = tmp_path / "repo"
-    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".git", ".venv", "golden", "*.egg-info", "__pycache__",
-                                                              "bisect-out"))
+    copy_checkout(repo)
     git = lambda *a: subprocess.run(["git", *a], cwd=repo, check=True, capture_output=True, text=True)  # noqa: E731
     git("init", "-q")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "good", "--allow-empty")

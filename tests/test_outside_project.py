@@ -6,12 +6,13 @@ PYTHONPATH, not run from this checkout), as a user's project would have it.
 """
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.checkout import copy_checkout
 
 ROOT = Path(__file__).resolve().parent.parent
 PLACEHOLDER = "/path/to/paritytest"
@@ -65,8 +66,7 @@ def test_an_outside_project_runs_its_own_implementation_as_readme_says(tmp_path)
 
     # installed from a copy: pip builds in the source tree, which must not be this checkout's
     source = tmp_path / "paritytest"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "golden", "build", "*.egg-info",
-                                                                "__pycache__", ".hypothesis", "bisect-out"))
+    copy_checkout(source)
 
     def sh(script: str, timeout: float) -> subprocess.CompletedProcess:
         return subprocess.run(["bash", "-euo", "pipefail", "-c", script.replace(PLACEHOLDER, str(source))],
