@@ -66,6 +66,39 @@ def cell(mesh, emesh, dtype, e, k, cap, score, norm, route="rand") -> Config:
                   dict(emesh=emesh, cap=cap, score=score, norm=norm, route=route))
 
 
+# transformers' expert parallelism (impl hf): the meshes it can lay out (ep a multiple of the dense tp,
+# no etp), dropless softmax routing, its two training EPImplementations (switch epimpl)
+HF_MESHES = [("ep=1", "dense"), ("ep=2", "dense"), ("ep=4", "dense"), ("dp=4", "ep2"), ("dp=4", "ep4"),
+             ("dp=2,tp=2", "ep4"), ("dp=2,tp=2", "ep2")]
+HF_COMBOS = [(1, "off"), (2, "on"), (2, "off")]  # (k, norm); cap none, score softmax
+# (cell mesh, expert mesh, dtype, e, k, norm, route, epimpl)
+HF_EXTRA = [
+    ("dp=2,tp=2", "ep2", "fp32", 4, 2, "on", "rand", "allreduce"),
+    ("dp=2,tp=2", "ep2", "fp32", 8, 1, "off", "rand", "allreduce"),
+    ("dp=2,tp=2", "ep2", "bf16", 4, 2, "off", "rand", "allreduce"),
+    ("ep=4", "dense", "fp32", 8, 1, "off", "skew", "alltoall"),
+    ("dp=4", "ep2", "fp32", 4, 2, "off", "one", "alltoall"),
+]
+
+
+def hf_cell(mesh, emesh, dtype, e, k, norm, route="rand", epimpl="alltoall") -> Config:
+    return Config("moe", "hf", parse(mesh), dtype, dict(SIZES, e=e, k=k),
+                  dict(emesh=emesh, cap="none", score="softmax", norm=norm, route=route, epimpl=epimpl))
+
+
+def hf_matrix() -> list[Config]:
+    """Every hf mesh with every (k, norm) in fp32, four of them once in bf16, then all_reduce and the
+    starved-rank / one-expert routes."""
+    out = []
+    for m, (mesh, emesh) in enumerate(HF_MESHES):
+        experts = experts_for(mesh, emesh)
+        for c, combo in enumerate(HF_COMBOS):
+            out.append(hf_cell(mesh, emesh, "fp32", experts[(m + c) % len(experts)], *combo))
+        if m % 2 or m == len(HF_MESHES) - 1:
+            out.append(hf_cell(mesh, emesh, "bf16", experts[m % len(experts)], *HF_COMBOS[m % len(HF_COMBOS)]))
+    return out + [hf_cell(*extra) for extra in HF_EXTRA]
+
+
 def matrix() -> list[Config]:
     out = []
     for m, (mesh, emesh) in enumerate(MESHES):
@@ -77,7 +110,7 @@ def matrix() -> list[Config]:
     return out + [cell(*edge) for edge in EDGES]
 
 
-CELLS = matrix()
+CELLS = matrix() + hf_matrix()
 
 
 @pytest.mark.parametrize("cfg", CELLS, ids=str)

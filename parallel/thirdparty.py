@@ -102,3 +102,61 @@ def megatron_xfail(cfg: Config) -> str | None:
                 "first copied by .float(), so only fp32 logits are clobbered): the layer's output 'out' reads back "
                 "as unnormalised probabilities after the loss")
     return None
+
+
+# ---- hf of the moe component (parallel/moe_hf.py) --------------------------------------------------
+# switch epimpl -> transformers' EPImplementation name (those that train on CPU)
+HF_EP_IMPLEMENTATIONS = {"alltoall": "all_to_all", "allreduce": "all_reduce"}
+
+
+def hf_moe_dense_view(cfg: Config) -> tuple[tuple[str, int], ...]:
+    """transformers' dense mesh ``fsdp x tp`` for a cell whose mesh has no tp dim: tp is one rank,
+    the group ``apply_expert_parallelism`` reads as "the ranks holding the same batch"."""
+    return (("fsdp", cfg.world), ("tp", 1))
+
+
+def moe_meshes(cfg: Config) -> list[tuple[tuple[str, int], ...]]:
+    """The moe component's extra meshes (``parallel.moe.meshes``), plus transformers' one-rank tp
+    dim for hf cells without a tp dim."""
+    from parallel.moe import meshes
+
+    extra = meshes(cfg)
+    if cfg.impl == "hf" and "tp" not in dict(cfg.mesh):
+        extra.append(hf_moe_dense_view(cfg))
+    return extra
+
+
+def hf_moe_skip(cfg: Config) -> str | None:
+    """Skip when transformers is missing, and for the moe configs its expert parallelism cannot
+    express (each with the upstream fact)."""
+    if reason := _missing("transformers"):
+        return reason
+    from parallel.moe import layout
+
+    lay, epimpl = layout(cfg), dict(cfg.switches).get("epimpl")
+    if epimpl not in HF_EP_IMPLEMENTATIONS:
+        return (f"moe_hf runs switch epimpl one of {sorted(HF_EP_IMPLEMENTATIONS)} (ep_implementation all_to_all, "
+                f"all_reduce), not {epimpl!r}: "
+                "'auto' picks all_to_all in training, 'deepgemm_megamoe' has no backward and needs CUDA")
+    if cfg.switch("cap") != "none":
+        return ("transformers' expert parallelism is dropless: no capacity factor (AllToAllEP sends every "
+                "(token, expert) pair, AllReduceEP runs every route)")
+    if cfg.switch("score") != "softmax":
+        return ("transformers pairs its Switch aux loss (load_balancing_loss_func, which takes the softmax of the "
+                "logits) only with softmax routers; its sigmoid routers (DeepSeek-V3) balance with a bias, no aux loss")
+    if lay.etp > 1:
+        return ("transformers has no expert tensor parallelism with EP (TransformersDeviceMesh: 'There is no etp "
+                "(expert tensor parallel) axis: with EP on, experts are never tensor-sharded')")
+    tp = cfg.degree("tp")
+    if lay.ep % tp:
+        return (f"transformers refuses it: `ep_size` must be a multiple of `tp_size` (DistributedConfig), "
+                f"ep={lay.ep}, tp={tp}")
+    if epimpl == "allreduce" and lay.ep != tp:
+        return ("AllReduceEP needs every rank of the expert group to hold the same batch (`ep_size == tp_size`), "
+                f"ep={lay.ep}, tp={tp}")
+    return None
+
+
+def hf_moe_xfail(cfg: Config) -> str | None:
+    """moe cells transformers 5.23.0 is known to get wrong, with the upstream behaviour."""
+    return None
