@@ -149,14 +149,39 @@ def hf_moe_skip(cfg: Config) -> str | None:
                 "(expert tensor parallel) axis: with EP on, experts are never tensor-sharded')")
     tp = cfg.degree("tp")
     if lay.ep % tp:
-        return (f"transformers refuses it: `ep_size` must be a multiple of `tp_size` (DistributedConfig), "
-                f"ep={lay.ep}, tp={tp}")
+        return f"transformers' DistributedConfig refuses it (ep={lay.ep}, tp={tp}): `ep_size` must be a multiple of `tp_size`."
     if epimpl == "allreduce" and lay.ep != tp:
         return ("AllReduceEP needs every rank of the expert group to hold the same batch (`ep_size == tp_size`), "
                 f"ep={lay.ep}, tp={tp}")
+    route = cfg.switch("route")
+    if epimpl == "allreduce" and lay.ep > 1 and (route == "skew" or (route == "one" and cfg.size("k") == 1)):
+        # Not a strict xfail: the ranks hang (one in the all-reduce, the others past it), which costs the pool
+        # a restart (~10-20 s with transformers' import) every run.
+        return ("transformers 5.23.0 AllReduceEP in training: an ep rank whose experts receive no token returns "
+                "zeros with no grad_fn (Qwen3MoeExperts' eager forward starts from zeros_like and runs no expert), "
+                "so its backward never reaches _AllReduceBackward while the other ranks wait in its all_reduce "
+                f"(hang); route_{route} starves the last ep rank")
     return None
+
+
+# cells whose problem trips transformers' bf16 router numerics (a property of the fixed problem, not of a
+# switch: a wider sweep shows it in ~1 of 6 bf16 cells); listed one by one, each with its mechanism
+_BF16_AUX = ("load_balancing_loss_func takes the softmax of the router logits in their own dtype (bf16 in a bf16 "
+             "model; Qwen3MoeForCausalLM passes them as the gate returns them), so the aux loss's gradient to the "
+             "router carries bf16 rounding (~1e-2 relative) beyond the bf16 tolerance of grad/router; with the "
+             "logits cast to fp32 first the cell passes")
+_BF16_ROUTE = ("Qwen3MoeTopKRouter computes the router logits with F.linear in the model dtype (bf16; only the "
+               "softmax is fp32), so a near tie between two experts is decided by bf16 rounding and the top-k "
+               "differs from the exact one for some tokens (route mismatch, then every gradient of those tokens); "
+               "with the logits in fp32 the cell passes")
+HF_MOE_KNOWN = {
+    "moe-hf-ep2-bf16-cap_none.emesh_dense.epimpl_alltoall.norm_off.route_skew.score_softmax-e16.f16.h8.k2.t24-seed0":
+        _BF16_AUX,
+    "moe-hf-dp2.tp2-bf16-cap_none.emesh_ep4.epimpl_alltoall.norm_on.route_rand.score_softmax-e16.f16.h8.k1.t24-seed0":
+        _BF16_ROUTE,
+}
 
 
 def hf_moe_xfail(cfg: Config) -> str | None:
     """moe cells transformers 5.23.0 is known to get wrong, with the upstream behaviour."""
-    return None
+    return HF_MOE_KNOWN.get(cfg.id)
