@@ -26,6 +26,11 @@ HF_STYLES = {
     "gateup": ("packedcol", "packedrow"),
 }
 
+# style -> the style it is an alias of: transformers registers both names as equal instances of the same
+# class (ColwiseParallel / RowwiseParallel with input and output Replicate()), so the cases run the alias on
+# one mesh only, to show the name resolves and behaves the same
+HF_ALIASES = {"colwiserep": "colwisegather", "rowwiserep": "rowwisesplit"}
+
 # op -> the sizes Megatron-Core divides by the tp degree (utils.divide / ensure_divisibility)
 MEGATRON_DIVIDES = {
     "colgather": ("f",), "colshard": ("f",), "rowsplit": ("f",), "rowshard": ("f",), "mlp": ("f",),
