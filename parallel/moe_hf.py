@@ -69,10 +69,10 @@ def build(cfg: Config, params: dict[str, torch.Tensor]) -> "Qwen3MoeSparseMoeBlo
                             norm_topk_prob=cfg.switch("norm") == "on", hidden_act="silu",
                             experts_implementation="eager")
     block = Qwen3MoeSparseMoeBlock(config)
-    with torch.no_grad():
-        block.gate.weight = torch.nn.Parameter(params["router"].clone())
-        block.experts.gate_up_proj = torch.nn.Parameter(torch.cat([params["w_gate"], params["w_up"]], dim=1))
-        block.experts.down_proj = torch.nn.Parameter(params["w_down"].clone())
+    block.gate.weight = torch.nn.Parameter(params["router"].clone())
+    # packed [gate; up] along the FFN dim: the experts' forward splits it with chunk(2, dim=-1)
+    block.experts.gate_up_proj = torch.nn.Parameter(torch.cat([params["w_gate"], params["w_up"]], dim=1))
+    block.experts.down_proj = torch.nn.Parameter(params["w_down"].clone())
     return block
 
 
@@ -94,7 +94,8 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     tokens_group = ctx.group(lay.token_dim)  # ranks holding distinct tokens (replicated over tp)
 
     block = build(cfg, problem.params)
-    apply_expert_parallelism(block, ep_mesh, tp_mesh, EP_PLAN, ep_implementation=HF_EP_IMPLEMENTATIONS[cfg.switch("epimpl")])
+    apply_expert_parallelism(block, ep_mesh, tp_mesh, EP_PLAN,
+                             ep_implementation=HF_EP_IMPLEMENTATIONS[cfg.switch("epimpl")])
 
     batch = Shard(0)
     degree, coord = ctx.degree(lay.token_dim), ctx.coord(lay.token_dim)

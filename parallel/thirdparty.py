@@ -154,7 +154,8 @@ def hf_moe_skip(cfg: Config) -> str | None:
                 "(expert tensor parallel) axis: with EP on, experts are never tensor-sharded')")
     tp = cfg.degree("tp")
     if lay.ep % tp:
-        return f"transformers' DistributedConfig refuses it (ep={lay.ep}, tp={tp}): `ep_size` must be a multiple of `tp_size`."
+        return (f"transformers' DistributedConfig refuses it (ep={lay.ep}, tp={tp}): "
+                "`ep_size` must be a multiple of `tp_size`.")
     if epimpl == "allreduce" and lay.ep != tp:
         return ("AllReduceEP needs every rank of the expert group to hold the same batch (`ep_size == tp_size`), "
                 f"ep={lay.ep}, tp={tp}")
