@@ -19,7 +19,9 @@ ep_implementation)`` with the plan its MoE configs declare (``base_model_ep_plan
 forward by the ``EPImplementation`` named by switch ``epimpl``: ``alltoall`` = ``all_to_all`` (tokens to the experts'
 ranks and back; the routing weights are applied on the sender) or ``allreduce`` = ``all_reduce`` (every rank of a
 shared batch runs its own experts on every token, partial outputs summed; only where the expert
-group holds one batch).
+group holds one batch). Switch ``experts`` (optional; absent = ``eager``, the experts class's own
+loop) picks the experts' forward transformers dispatches to: ``groupedmm`` = ``grouped_mm``,
+``batchedmm`` = ``batched_mm``, where EP's off-rank (sentinel) rows are masked rather than skipped.
 
 Meshes, as transformers lays them out (``TransformersDeviceMesh``: dense ``fsdp x tp``, experts
 ``efsdp x ep``, ep a multiple of tp): the expert mesh's ``ep`` dim is ``ep_mesh``; ``tp_mesh`` is the
@@ -48,7 +50,7 @@ from reference.moe import AUX_WEIGHT, make_problem
 
 from .collectives import all_reduce_, gather_from_group
 from .moe import expert_placements, layout
-from .thirdparty import HF_EP_IMPLEMENTATIONS, hf_moe_dense_view
+from .thirdparty import HF_EP_IMPLEMENTATIONS, HF_EXPERTS, hf_experts, hf_moe_dense_view
 
 try:  # imported here so the pool's zygote pays for it once; absent, every cell skips in the parent
     from transformers.distributed.expert_parallel import apply_expert_parallelism
@@ -67,7 +69,7 @@ def build(cfg: Config, params: dict[str, torch.Tensor]) -> "Qwen3MoeSparseMoeBlo
     config = Qwen3MoeConfig(hidden_size=cfg.size("h"), moe_intermediate_size=cfg.size("f"),
                             num_experts=cfg.size("e"), num_experts_per_tok=cfg.size("k"),
                             norm_topk_prob=cfg.switch("norm") == "on", hidden_act="silu",
-                            experts_implementation="eager")
+                            experts_implementation=HF_EXPERTS[hf_experts(cfg)])
     block = Qwen3MoeSparseMoeBlock(config)
     block.gate.weight = torch.nn.Parameter(params["router"].clone())
     # packed [gate; up] along the FFN dim: the experts' forward splits it with chunk(2, dim=-1)

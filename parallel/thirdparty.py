@@ -112,6 +112,13 @@ def megatron_xfail(cfg: Config) -> str | None:
 # ---- hf of the moe component (parallel/moe_hf.py) --------------------------------------------------
 # switch epimpl -> transformers' EPImplementation name (those that train on CPU)
 HF_EP_IMPLEMENTATIONS = {"alltoall": "all_to_all", "allreduce": "all_reduce"}
+# switch experts (optional, absent = eager) -> the experts_implementation the experts' forward dispatches to
+HF_EXPERTS = {"eager": "eager", "groupedmm": "grouped_mm", "batchedmm": "batched_mm"}
+
+
+def hf_experts(cfg: Config) -> str:
+    """The experts switch of an hf moe cell; eager (the experts class's own forward) when absent."""
+    return dict(cfg.switches).get("experts", "eager")
 
 
 def hf_moe_dense_view(cfg: Config) -> tuple[tuple[str, int], ...]:
@@ -143,6 +150,8 @@ def hf_moe_skip(cfg: Config) -> str | None:
         return (f"moe_hf runs switch epimpl one of {sorted(HF_EP_IMPLEMENTATIONS)} (ep_implementation all_to_all, "
                 f"all_reduce), not {epimpl!r}: "
                 "'auto' picks all_to_all in training, 'deepgemm_megamoe' has no backward and needs CUDA")
+    if hf_experts(cfg) not in HF_EXPERTS:
+        return f"moe_hf runs switch experts one of {sorted(HF_EXPERTS)}, not {hf_experts(cfg)!r}"
     if cfg.switch("cap") != "none":
         return ("transformers' expert parallelism is dropless: no capacity factor (AllToAllEP sends every "
                 "(token, expert) pair, AllReduceEP runs every route)")
@@ -160,11 +169,13 @@ def hf_moe_skip(cfg: Config) -> str | None:
         return ("AllReduceEP needs every rank of the expert group to hold the same batch (`ep_size == tp_size`), "
                 f"ep={lay.ep}, tp={tp}")
     route = cfg.switch("route")
-    if epimpl == "allreduce" and lay.ep > 1 and (route == "skew" or (route == "one" and cfg.size("k") == 1)):
+    starved = route == "skew" or (route == "one" and cfg.size("k") == 1)
+    if epimpl == "allreduce" and hf_experts(cfg) == "eager" and lay.ep > 1 and starved:
         # Not a strict xfail: the ranks hang (one in the all-reduce, the others past it), which costs the pool
         # a restart (~10-20 s with transformers' import) every run.
         return ("transformers 5.23.0 AllReduceEP in training: an ep rank whose experts receive no token returns "
-                "zeros with no grad_fn (Qwen3MoeExperts' eager forward starts from zeros_like and runs no expert), "
+                "zeros with no grad_fn (Qwen3MoeExperts' eager forward starts from zeros_like and runs no expert; "
+                "grouped_mm and batched_mm keep the masked rows in the graph), "
                 "so its backward never reaches _AllReduceBackward while the other ranks wait in its all_reduce "
                 f"(hang); route_{route} starves the last ep rank")
     return None

@@ -203,3 +203,15 @@ def test_moe_hf_declared_divergences_are_cells_the_cases_run():
 
     ids = {cfg.id for cfg in CELLS}
     assert thirdparty.HF_MOE_KNOWN and set(thirdparty.HF_MOE_KNOWN) <= ids
+
+
+def test_moe_hf_experts_kernels_keep_a_starved_rank_in_the_backward():
+    """The AllReduceEP hang is the eager experts' (no expert hit: no grad_fn); the grouped_mm and
+    batched_mm kernels run the masked rows, so those cells run."""
+    pytest.importorskip("transformers")
+    starved = dict(mesh="dp=2,tp=2", emesh="ep2", epimpl="allreduce", route="skew", k=1)
+    assert "hang" in thirdparty.hf_moe_skip(moe_cell(**starved))
+    assert "hang" in thirdparty.hf_moe_skip(moe_cell(**starved, experts="eager"))
+    for kernel in ("groupedmm", "batchedmm"):
+        assert thirdparty.hf_moe_skip(moe_cell(**starved, experts=kernel)) is None
+    assert "switch experts one of" in thirdparty.hf_moe_skip(moe_cell(experts="sonicmoe"))
