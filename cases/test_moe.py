@@ -18,6 +18,16 @@ How the matrix is chosen (not the full product, which would be ~2,000 cells):
 * Edge cells: every token's first choice the same expert (route_one), an expert and a whole ep rank
   receiving no token (route_skew), top-k = e, k=1 with renormalised gates (gate = 1: the router
   learns only from the aux loss), on meshes of each kind, in both dtypes.
+
+Implementation ``hf`` (transformers' apply_expert_parallelism, ``parallel/moe_hf.py``) runs a small
+matrix of its own, ~36 cells: only what transformers can express (dropless, softmax router, no etp,
+ep a multiple of the dense tp), on the meshes where its code paths differ: one rank, dense ep 2 and 4
+(tp_mesh of one rank), dp2ep with efsdp copies (dp=4 ep2) and without (dp=4 ep4), dense tp ranks
+slicing the batch before the exchange (dp=2,tp=2 with ep=4 and with ep=tp=2); every (k, norm) in
+fp32 (the one-rank mesh once), four meshes once in bf16; its second EPImplementation (switch
+epimpl, all_reduce) where the expert group shares one batch; a starved ep rank and one-expert routing; the experts' grouped_mm and
+batched_mm kernels (switch experts, absent = eager) on both EPImplementations; and the cells it is
+declared to get wrong (strict xfail) or cannot run (skip), from ``parallel/thirdparty.py``.
 """
 import pytest
 
@@ -66,6 +76,50 @@ def cell(mesh, emesh, dtype, e, k, cap, score, norm, route="rand") -> Config:
                   dict(emesh=emesh, cap=cap, score=score, norm=norm, route=route))
 
 
+# transformers' expert parallelism (impl hf): the meshes it can lay out (ep a multiple of the dense tp,
+# no etp), dropless softmax routing, its two training EPImplementations (switch epimpl)
+HF_MESHES = [("ep=1", "dense"), ("ep=2", "dense"), ("ep=4", "dense"), ("dp=4", "ep2"), ("dp=4", "ep4"),
+             ("dp=2,tp=2", "ep4"), ("dp=2,tp=2", "ep2")]
+HF_COMBOS = [(1, "off"), (2, "on"), (2, "off")]  # (k, norm); cap none, score softmax
+# (cell mesh, expert mesh, dtype, e, k, norm, route, epimpl)
+HF_EXTRA = [
+    ("dp=2,tp=2", "ep2", "fp32", 4, 2, "on", "rand", "allreduce"),
+    ("dp=2,tp=2", "ep2", "fp32", 8, 1, "off", "rand", "allreduce"),
+    ("dp=2,tp=2", "ep2", "bf16", 4, 2, "off", "rand", "allreduce"),
+    ("ep=4", "dense", "fp32", 8, 1, "off", "skew", "alltoall"),
+    ("dp=4", "ep2", "fp32", 4, 2, "off", "one", "alltoall"),
+    # declared: AllReduceEP with a starved rank (skip: it hangs), and one cell of each bf16 router divergence
+    ("dp=2,tp=2", "ep2", "fp32", 8, 1, "off", "skew", "allreduce"),
+    ("ep=2", "dense", "bf16", 16, 2, "off", "skew", "alltoall"),
+    ("dp=2,tp=2", "ep4", "bf16", 16, 1, "on", "rand", "alltoall"),
+    # the experts' kernel paths (switch experts): EP's sentinel rows are masked there, not skipped
+    ("ep=4", "dense", "fp32", 8, 2, "on", "rand", "alltoall", "groupedmm"),
+    ("dp=2,tp=2", "ep2", "fp32", 8, 2, "off", "rand", "allreduce", "groupedmm"),
+    ("dp=2,tp=2", "ep2", "fp32", 8, 1, "off", "skew", "allreduce", "groupedmm"),
+    ("ep=4", "dense", "fp32", 8, 2, "on", "rand", "alltoall", "batchedmm"),
+    ("dp=2,tp=2", "ep2", "fp32", 8, 1, "off", "skew", "allreduce", "batchedmm"),
+]
+
+
+def hf_cell(mesh, emesh, dtype, e, k, norm, route="rand", epimpl="alltoall", experts=None) -> Config:
+    switches = dict(emesh=emesh, cap="none", score="softmax", norm=norm, route=route, epimpl=epimpl)
+    return Config("moe", "hf", parse(mesh), dtype, dict(SIZES, e=e, k=k),
+                  switches | ({"experts": experts} if experts else {}))  # absent: eager experts
+
+
+def hf_matrix() -> list[Config]:
+    """Every hf mesh with every (k, norm) in fp32 (the one-rank mesh once), four of them once in
+    bf16, then all_reduce, the starved-rank / one-expert routes, the declared cells and the kernels."""
+    out = []
+    for m, (mesh, emesh) in enumerate(HF_MESHES):
+        experts = experts_for(mesh, emesh)
+        for c, combo in enumerate(HF_COMBOS[:1] if mesh == "ep=1" else HF_COMBOS):  # one rank: the mapping once
+            out.append(hf_cell(mesh, emesh, "fp32", experts[(m + c) % len(experts)], *combo))
+        if m % 2 or m == len(HF_MESHES) - 1:
+            out.append(hf_cell(mesh, emesh, "bf16", experts[m % len(experts)], *HF_COMBOS[m % len(HF_COMBOS)]))
+    return out + [hf_cell(*extra) for extra in HF_EXTRA]
+
+
 def matrix() -> list[Config]:
     out = []
     for m, (mesh, emesh) in enumerate(MESHES):
@@ -77,7 +131,7 @@ def matrix() -> list[Config]:
     return out + [cell(*edge) for edge in EDGES]
 
 
-CELLS = matrix()
+CELLS = matrix() + hf_matrix()
 
 
 @pytest.mark.parametrize("cfg", CELLS, ids=str)

@@ -35,10 +35,13 @@ register_component(Component(
     reference="reference.moe:reference",
     validate="parallel.moe:validate",
     reduction="reference.moe:reduction_size",
-    meshes="parallel.moe:meshes",
+    meshes="parallel.thirdparty:moe_meshes",  # parallel.moe:meshes, plus transformers' 1-rank tp dim for hf
     simplest={"cap": ("none", "100", "125"), "score": ("softmax", "sigmoid"), "norm": ("off", "on")},
     implementations={
         "ours": Implementation("ours", "parallel.moe:run"),
+        # transformers' apply_expert_parallelism (pip install -e '.[thirdparty]'): dropless, no `dropped`
+        "hf": Implementation("hf", "parallel.moe_hf:run", skip="parallel.thirdparty:hf_moe_skip",
+                             omits=("dropped",), xfail="parallel.thirdparty:hf_moe_xfail"),
     },
 ))
 

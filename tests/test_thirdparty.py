@@ -120,3 +120,98 @@ register_implementation("tp", "fixed", "parallel.tp:run", xfail="impls:declared"
     result.stdout.fnmatch_lines(["XFAIL*buggy*known divergence of buggy: drops the row-parallel all-reduce*"])
     result.stdout.fnmatch_lines(["*XPASS(strict)*known divergence of fixed*remove its entry from impls:declared*"])
     assert not list((pytester.path / "golden").rglob("*buggy*"))  # a divergent cell writes no golden
+
+
+# ---- hf of the moe component ----------------------------------------------------------------------
+def moe_cell(mesh="ep=2", emesh="dense", dtype="fp32", impl="hf", **switches) -> Config:
+    from harness.matrix import mesh as parse
+    from reference.moe import SIZES as MOE_SIZES
+
+    k = int(switches.pop("k", 2))
+    base = dict(emesh=emesh, cap="none", score="softmax", norm="off", route="rand", epimpl="alltoall")
+    return Config("moe", impl, parse(mesh), dtype, dict(MOE_SIZES, e=8, k=k), base | switches)
+
+
+def test_moe_hf_is_registered_dropless_with_its_skips_and_divergences():
+    impl = get("moe").implementations["hf"]
+    assert impl.skip and impl.xfail and impl.omits == ("dropped",)
+    assert "parallel.thirdparty" in modules([moe_cell()])
+
+
+def test_moe_hf_imports_and_skips_without_transformers():
+    code = """
+import sys
+sys.modules["transformers"] = None
+import parallel.moe_hf
+from harness.config import Config
+from parallel.thirdparty import hf_moe_skip
+from reference.moe import SIZES
+print(hf_moe_skip(Config("moe", "hf", (("ep", 2),), "fp32", dict(SIZES, e=8, k=2),
+      dict(emesh="dense", cap="none", score="softmax", norm="off", route="rand", epimpl="alltoall"))))
+"""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["transformers is not installed: pip install -e '.[thirdparty]'"]
+
+
+@pytest.mark.parametrize("switches, says", [
+    (dict(cap="125"), "dropless"),
+    (dict(score="sigmoid"), "sigmoid routers"),
+    (dict(mesh="ep=2,etp=2"), "no expert tensor parallelism"),
+    (dict(mesh="dp=4,tp=2", emesh="ep2etp2"), "no expert tensor parallelism"),
+    (dict(mesh="dp=2,tp=2", emesh="ep4", epimpl="allreduce"), "`ep_size == tp_size`"),
+    (dict(epimpl="auto"), "switch epimpl one of"),
+    (dict(mesh="dp=2,tp=2", emesh="ep2", epimpl="allreduce", route="skew"), "never reaches _AllReduceBackward"),
+    (dict(mesh="dp=2,tp=2", emesh="ep2", epimpl="allreduce", route="one", k=1), "starves the last ep rank"),
+])
+def test_moe_hf_skips_what_transformers_cannot_express(switches, says):
+    pytest.importorskip("transformers")
+    assert says in thirdparty.hf_moe_skip(moe_cell(**switches))
+
+
+def test_moe_hf_ep_tp_rule_quotes_transformers_own_message():
+    configuration = pytest.importorskip("transformers.distributed.configuration_utils")
+    with pytest.raises(ValueError) as refused:
+        configuration.DistributedConfig(tp_size=4, fsdp_size=2, ep_size=2)
+    # ep=2 inside a tp line of 4: parallel/moe.py runs it, transformers refuses it
+    assert str(refused.value) in thirdparty.hf_moe_skip(moe_cell(mesh="dp=2,tp=4", emesh="ep2"))
+
+
+@pytest.mark.parametrize("switches", [
+    dict(), dict(mesh="ep=1", k=1), dict(mesh="dp=4", emesh="ep2"), dict(mesh="dp=2,tp=2", emesh="ep4"),
+    dict(mesh="dp=2,tp=2", emesh="ep2", epimpl="allreduce", route="one", k=2),
+])
+def test_moe_hf_runs_the_layouts_transformers_has(switches):
+    pytest.importorskip("transformers")
+    assert thirdparty.hf_moe_skip(moe_cell(**switches)) is None
+
+
+def test_moe_meshes_add_transformers_one_rank_tp_dim_for_hf_only():
+    from parallel.moe import meshes
+
+    for mesh, emesh in (("ep=2", "dense"), ("dp=4", "ep2"), ("dp=2,tp=2", "ep4")):
+        ours = moe_cell(mesh, emesh, impl="ours")
+        assert thirdparty.moe_meshes(ours) == meshes(ours)
+    assert thirdparty.moe_meshes(moe_cell("ep=2")) == [(("fsdp", 2), ("tp", 1))]
+    assert thirdparty.moe_meshes(moe_cell("dp=4", "ep2")) == [(("edp", 2), ("ep", 2)), (("fsdp", 4), ("tp", 1))]
+    assert thirdparty.moe_meshes(moe_cell("dp=2,tp=2", "ep4")) == [(("ep", 4),)]  # the cell's tp is transformers'
+
+
+def test_moe_hf_declared_divergences_are_cells_the_cases_run():
+    from cases.test_moe import CELLS
+
+    ids = {cfg.id for cfg in CELLS}
+    assert thirdparty.HF_MOE_KNOWN and set(thirdparty.HF_MOE_KNOWN) <= ids
+
+
+def test_moe_hf_experts_kernels_keep_a_starved_rank_in_the_backward():
+    """The AllReduceEP hang is the eager experts' (no expert hit: no grad_fn); the grouped_mm and
+    batched_mm kernels run the masked rows, so those cells run."""
+    pytest.importorskip("transformers")
+    starved = dict(mesh="dp=2,tp=2", emesh="ep2", epimpl="allreduce", route="skew", k=1)
+    assert "hang" in thirdparty.hf_moe_skip(moe_cell(**starved))
+    assert "hang" in thirdparty.hf_moe_skip(moe_cell(**starved, experts="eager"))
+    for kernel in ("groupedmm", "batchedmm"):
+        assert thirdparty.hf_moe_skip(moe_cell(**starved, experts=kernel)) is None
+    assert "switch experts one of" in thirdparty.hf_moe_skip(moe_cell(experts="sonicmoe"))
