@@ -8,7 +8,7 @@ speedup is a ratio against the baseline run right here):
   of every pytest worker, and the cell after a hang, costs), beside the warm figure;
 * empty case round trip at world 2, 4 and 8;
 * one representative cell per component (``CELLS``: the TP MLP cell at tp=4, ring attention at
-  cp=4, MoE at ep=4, ...): run, assemble, compare with the cached reference;
+  cp=4, MoE at ep=4 (ours and transformers'), ...): run, assemble, compare with the cached reference;
 * spawn-per-test, the baseline: the same cell in freshly spawned processes with a fresh process
   group, as PyTorch's MultiProcessTestCase runs each test.
 
@@ -42,6 +42,10 @@ CELLS = {
                        {"mask": "causal", "layout": "zigzag", "gqa": "on"}),
     "moe_ep4": Config("moe", "ours", {"ep": 4}, "fp32", dict(t=24, h=8, f=16, e=8, k=2),
                       {"emesh": "dense", "cap": "125", "score": "softmax", "norm": "on", "route": "rand"}),
+    # transformers' EP on the same shape (dropless: it has no capacity); skipped without the extra
+    "moe_hf_ep4": Config("moe", "hf", {"ep": 4}, "fp32", dict(t=24, h=8, f=16, e=8, k=2),
+                         {"emesh": "dense", "cap": "none", "score": "softmax", "norm": "on", "route": "rand",
+                          "epimpl": "alltoall"}),
     "pp4_interleaved": Config("pp", "ours", {"pp": 4}, "fp32", dict(b=8, s=4, h=8, f=16, v=24, l=8, m=8, vs=2),
                               {"sched": "interleaved", "tied": "on"}),
     "hsdp_2x2": Config("fsdp", "ours", {"rep": 2, "shard": 2}, "fp32", dict(b=72, h=6, f=13, o=5, m=1)),
@@ -119,6 +123,10 @@ def main(argv=None) -> dict:
     cell_repeats = max(20, args.repeats // 10)
     cell_ms = {}
     for name, cfg in CELLS.items():
+        reason = validate(cfg).implementations[cfg.impl].skip_reason(cfg)
+        if reason:
+            print(f"cell {name:<20} skipped: {reason}", file=sys.stderr)
+            continue
         run_cell(cfg, pool)  # warm: reference computed, groups cached, modules imported
         cell_ms[name] = _median_ms(lambda: run_cell(cfg, pool), cell_repeats)
     pool.close()
