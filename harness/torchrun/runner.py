@@ -349,8 +349,12 @@ def start(backend: str = "auto", deadline: float = 30.0) -> RankRunner:
     from .session import LaunchEnv
     from .watchdog import block_sigterm
 
+    from ..rank import warm_up
+
     block_sigterm()
     session = Session(LaunchEnv.from_env(), backend, deadline)
     runner = RankRunner(session)
     runner.install_sigterm_note()
+    # the lazy imports a first cell would pay inside its deadline (as the pool's zygote does)
+    warm_up()
     return runner
