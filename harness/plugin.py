@@ -94,8 +94,8 @@ def _start_torchrun(config) -> None:
 
     if not launched() or config.option.help or config.option.version:
         return
-    workers = getattr(config.option, "numprocesses", None)
-    if workers or os.environ.get("PYTEST_XDIST_WORKER"):
+    workers = getattr(config.option, "numprocesses", None)  # xdist's -n (0 or None: no workers)
+    if workers:
         raise _usage("-n", workers, "xdist cannot run under torchrun: each pytest process is already one rank "
                                     "(torchrun --nproc-per-node sets how many); drop -n")
     if os.environ["RANK"] != "0":
