@@ -199,7 +199,7 @@ class RankRunner:
         key, store = self._key, self.session.store
         if not store.check([f"{key}/out/{self.rank}"]):  # this rank is still in the cell: say where
             self.own_failures += 1
-            self.session.set(f"{key}/stack/{self.rank}", main_stack())
+            self.session.set(f"{key}/stack/{self.rank}", main_stack(outermost=os.path.join("harness", "torchrun", "runner.py")))
         elif self.rank != 0:
             return  # done with its part: its main thread waits for the verdict and acts on it
         if self.rank != 0:

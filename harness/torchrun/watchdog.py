@@ -18,15 +18,21 @@ import time
 from typing import Callable
 
 
-def main_stack(thread_id: int | None = None) -> str:
+def main_stack(thread_id: int | None = None, outermost: str = "") -> str:
     """The main thread's stack in faulthandler's layout (innermost first), so that
-    :func:`harness.pool.summarize_stack` reads it as it reads a pool rank's dump."""
+    :func:`harness.pool.summarize_stack` reads it as it reads a pool rank's dump.
+
+    ``outermost``: a file path suffix; frames outside the first frame in that file are left out
+    (pytest's and the plugin's plumbing, the same on every rank and in every cell).
+    """
     ident = threading.main_thread().ident if thread_id is None else thread_id
     frame = sys._current_frames().get(ident)
     lines = [f"Thread 0x{ident:016x} (most recent call first):"]
     while frame is not None:
         code = frame.f_code
         lines.append(f'  File "{code.co_filename}", line {frame.f_lineno} in {code.co_name}')
+        if outermost and code.co_filename.endswith(outermost):
+            break
         frame = frame.f_back
     return "\n".join(lines)
 
