@@ -10,6 +10,7 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -52,7 +53,18 @@ def _usage(option: str, value, why: str) -> pytest.UsageError:
 
 # ---- torchrun mode (harness.torchrun): each pytest process is one rank ----------------------------
 _RUNNER = pytest.StashKey()
+_LOG = pytest.StashKey()  # a rank other than 0: the file its output goes to
 _quiet_stderr: int | None = None  # a rank other than 0: the launcher's stderr, kept for its closing line
+
+
+# what torchrun sets for every worker (RANK..MASTER_PORT is the env:// contract); read here without
+# importing harness.torchrun, so that a pool run never depends on that package
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_by_torchrun() -> bool:
+    """True when this pytest process is a rank of a torchrun job (or given the same environment)."""
+    return all(os.environ.get(name) for name in TORCHRUN_ENV)
 
 
 def _runner(config):
@@ -66,11 +78,9 @@ def pytest_load_initial_conftests(early_config, parser, args):
     of the same report would bury rank 0's. Done here, before pytest's capture takes the file
     descriptors, so that capture (and the terminal reporter) write into the log."""
     global _quiet_stderr
-    from .torchrun import launched
-
-    if launched() and os.environ["RANK"] != "0" and _quiet_stderr is None:
+    if launched_by_torchrun() and os.environ["RANK"] != "0" and _quiet_stderr is None:
         where = getattr(early_config.known_args_namespace, "rank_logs", None) or os.path.join(
-            __import__("tempfile").gettempdir(),
+            tempfile.gettempdir(),
             f"paritytest-torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}-{os.environ['MASTER_PORT']}")
         os.makedirs(where, exist_ok=True)
         path = os.path.join(where, f"rank{os.environ['RANK']}.log")
@@ -85,14 +95,9 @@ def pytest_load_initial_conftests(early_config, parser, args):
     yield
 
 
-_LOG = pytest.StashKey()
-
-
 def _start_torchrun(config) -> None:
     """Under torchrun: refuse xdist, leave the junit XML to rank 0, join the job's process group."""
-    from .torchrun import launched
-
-    if not launched() or config.option.help or config.option.version:
+    if not launched_by_torchrun() or config.option.help or config.option.version:
         return
     workers = getattr(config.option, "numprocesses", None)  # xdist's -n (0 or None: no workers)
     if workers:
@@ -100,7 +105,11 @@ def _start_torchrun(config) -> None:
                                     "(torchrun --nproc-per-node sets how many); drop -n")
     if os.environ["RANK"] != "0":
         config.option.xmlpath = None  # one report per job, rank 0's: the verdicts are the same on every rank
-    from .torchrun.runner import start
+    try:
+        from .torchrun.runner import start
+    except ImportError as error:
+        raise pytest.UsageError(f"torchrun mode needs the harness.torchrun package, which this install of paritytest "
+                                f"lacks ({error}): install it with pip install -e") from None
 
     runner = start(config.getoption("--backend"), config.getoption("--case-deadline"))
     config.stash[_RUNNER] = runner
