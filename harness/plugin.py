@@ -12,6 +12,7 @@ import shlex
 import sys
 import tempfile
 import time
+import traceback
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -372,11 +373,19 @@ def parity(request, rank_pool, pytestconfig):
         if verdict is None:
             runner.begin(nodeid, record)
             if runner.rank == 0:
-                failure, outcome = _judge(cfg, runner, record, start)
+                try:
+                    failure, outcome = _judge(cfg, runner, record, start)
+                except BaseException as error:  # not the cell's failure but ours: the others must hear too
+                    record["kind"] = type(error).__name__
+                    runner.share_verdict(f"{cfg.id}: the harness failed on rank 0 while judging the cell:\n"
+                                         f"{traceback.format_exc()}", record)
+                    raise
                 runner.share_verdict(failure, record)
                 return failure, outcome
-            run_pieces(cfg, runner, component)
-            verdict = runner.await_verdict()
+            try:
+                run_pieces(cfg, runner, component)
+            finally:  # whatever happened here, the cell's verdict is rank 0's
+                verdict = runner.await_verdict()
         record.clear()
         record.update(verdict["record"])
         return verdict["failure"], None

@@ -195,7 +195,17 @@ class RankRunner:
 
     # ---- hangs -----------------------------------------------------------------------------
     def _expired(self, world: int, label: str, deadline: float, start: float) -> None:
-        """The deadline passed (watchdog thread), or on rank 0 a rank raised and others are stuck."""
+        """The deadline passed (watchdog thread), or on rank 0 a rank raised and others are stuck.
+        Whatever goes wrong in here, rank 0 still ends the attempt: the others wait for it."""
+        try:
+            self._judge_stuck(world, label, deadline, start)
+        except BaseException:  # noqa: BLE001
+            if self.rank == 0 and not self._gathered:
+                self._end_attempt(f"case {label} passed its deadline of {deadline:.1f} s, and gathering the "
+                                  f"ranks' stacks failed:\n{traceback.format_exc()}", "hang")
+            raise
+
+    def _judge_stuck(self, world: int, label: str, deadline: float, start: float) -> None:
         key, store = self._key, self.session.store
         if not store.check([f"{key}/out/{self.rank}"]):  # this rank is still in the cell: say where
             self.own_failures += 1
