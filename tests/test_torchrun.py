@@ -139,6 +139,11 @@ def hang(ctx, cfg):
     return tp.run(ctx, cfg)
 
 
+def raises(ctx, cfg):
+    """Every rank raises before any collective: a failed cell that leaves the group healthy."""
+    raise ValueError(f"planted failure on rank {ctx.rank}")
+
+
 def die(ctx, cfg):
     """Rank 1's process exits in the middle of the cell."""
     if ctx.rank == 1:
@@ -151,6 +156,7 @@ from harness.registry import register_implementation
 
 register_implementation("tp", "hang", "faulty:hang")
 register_implementation("tp", "die", "faulty:die")
+register_implementation("tp", "raises", "faulty:raises")
 '''
 
 FAULT_CASES = '''
@@ -164,7 +170,7 @@ def one(impl, op):
 
 
 # each fault followed by a healthy cell
-CELLS = one("hang", "mlp") + one("ours", "mlp") + one("die", "mlp") + one("ours", "colshard")
+CELLS = one("raises", "mlp") + one("hang", "mlp") + one("ours", "mlp") + one("die", "mlp") + one("ours", "colshard")
 
 
 @pytest.mark.parametrize("cfg", CELLS, ids=str)
@@ -193,17 +199,22 @@ def test_a_hang_and_a_dying_rank_fail_their_cells_and_the_next_cells_pass(tmp_pa
     print(run.stdout[-6000:], run.stderr[-6000:])
     assert run.returncode != 0  # two cells failed: torchrun's exit status says so
     cases = {c.name.split("[")[1].split("-")[1] + "-" + c.record["switches"]["op"]: c for c in junit.read([xml]).cells}
-    assert [c.outcome for c in junit.read([xml]).cells] == ["failed", "passed", "failed", "passed"]
+    assert [c.outcome for c in junit.read([xml]).cells] == ["failed", "failed", "passed", "failed", "passed"]
+
+    raised = cases["raises-mlp"]  # no restart for this one: every rank answered
+    assert "failed after" in raised.text and "raised on ranks [0, 1]" in raised.text
+    assert "ValueError: planted failure on rank 1" in raised.text
 
     hung = cases["hang-mlp"]
     assert "passed its deadline of 6.0 s: ranks [0, 1] still running" in hung.text
+    assert "[torchrun] attempt 0 ends here" in hung.text
     assert "rank 1: hung: at faulty.py:" in hung.text and "in hang" in hung.text
-    assert "rank 0: hung: in all_reduce" in hung.text or "rank 0: hung: in " in hung.text
+    assert "rank 0: hung: in all_reduce" in hung.text
     assert f"host {socket.gethostname()}, local rank 1" in hung.text
     assert "the next attempt resumes after this cell" in hung.text
 
     died = cases["die-mlp"]
-    assert "a rank died during it" in died.text
+    assert "a rank died during it, torchrun stopped the job and restarted it (attempt 1 -> 2)" in died.text
     assert f"died: rank 1 (host {socket.gethostname()}, local rank 1, node 0" in died.text
     assert "rank 1: died: process died inside the cell" in died.text
     assert cases["ours-mlp"].outcome == "passed" and cases["ours-colshard"].outcome == "passed"

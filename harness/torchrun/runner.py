@@ -94,7 +94,10 @@ class RankRunner:
                                           "label": label, "deadline": deadline, **(self._current or {})},
                              self.session.record)
         start = time.monotonic()
-        self.watchdog.arm(deadline, lambda: self._expired(world, label, deadline, start))
+        key = self._key
+        # early: rank 0 asks for the stacks before the deadline when a rank raised and the others hang
+        self.watchdog.arm(deadline, lambda: self._expired(world, label, deadline, start),
+                          early=lambda: self.rank != 0 and self.session.store.check([f"{key}/dump"]))
         if self.rank < world:
             try:
                 if fn not in self._functions:
@@ -144,6 +147,7 @@ class RankRunner:
             # never joined, so do not sit out the whole deadline (the pool's FAILURE_GRACE)
             if self.rank == 0 and raised_at is not None and time.monotonic() - raised_at > FAILURE_GRACE:
                 self.watchdog.disarm()
+                self.session.store.set(f"{self._key}/dump", b"1")  # the stuck ranks' watchdogs fire now
                 self._expired(world, label, deadline, start)
             time.sleep(POLL)
         self._gathered = True

@@ -37,6 +37,9 @@ def main_stack(thread_id: int | None = None, outermost: str = "") -> str:
     return "\n".join(lines)
 
 
+EARLY_POLL = 0.25
+
+
 class Watchdog:
     """One daemon thread; :meth:`arm` before a cell, :meth:`disarm` once its verdict is known."""
 
@@ -44,13 +47,15 @@ class Watchdog:
         self._lock = threading.Condition()
         self._due: float | None = None
         self._fire: Callable[[], None] | None = None
+        self._early: Callable[[], bool] | None = None
         self._generation = 0
         threading.Thread(target=self._loop, name="paritytest-watchdog", daemon=True).start()
 
-    def arm(self, seconds: float, fire: Callable[[], None]) -> None:
-        """Call ``fire()`` on the watchdog thread if :meth:`disarm` has not come ``seconds`` from now."""
+    def arm(self, seconds: float, fire: Callable[[], None], early: Callable[[], bool] | None = None) -> None:
+        """Call ``fire()`` on the watchdog thread if :meth:`disarm` has not come ``seconds`` from now,
+        or as soon as ``early()`` (asked every ``EARLY_POLL`` s) says so."""
         with self._lock:
-            self._due, self._fire = time.monotonic() + seconds, fire
+            self._due, self._fire, self._early = time.monotonic() + seconds, fire, early
             self._generation += 1
             self._lock.notify()
 
@@ -64,8 +69,11 @@ class Watchdog:
         while True:
             with self._lock:
                 while self._due is None or time.monotonic() < self._due:
-                    self._lock.wait(None if self._due is None else max(0.0, self._due - time.monotonic()))
-                fire, self._due, self._fire = self._fire, None, None
+                    if self._due is not None and self._early is not None and self._early():
+                        break
+                    wait = None if self._due is None else max(0.0, self._due - time.monotonic())
+                    self._lock.wait(wait if self._early is None or wait is None else min(wait, EARLY_POLL))
+                fire, self._due, self._fire, self._early = self._fire, None, None, None
             if fire is not None:
                 try:
                     fire()
