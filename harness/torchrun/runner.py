@@ -23,6 +23,7 @@ import pickle
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any
@@ -217,13 +218,13 @@ class RankRunner:
         elif self.rank != 0:
             return  # done with its part: its main thread waits for the verdict and acts on it
         if self.rank != 0:
-            # stuck: rank 0 decides, and its restart verdict ends this process; if rank 0 is gone
-            # too, torchrun stops everyone, and a rank still here after that exits by itself
-            end = time.monotonic() + STACK_GRACE + 60.0
-            while time.monotonic() < end:
+            # late or stuck: rank 0 decides. A restart verdict ends this process; a normal verdict, or
+            # the main thread moving on to the next task (a slow rank, not a stuck one), ends the wait.
+            while self._key == key and not store.check([f"{key}/verdict"]):
                 self._exit_if_restarting()
                 time.sleep(POLL)
-            self._exit_for_restart()
+            self._exit_if_restarting(key)
+            return
         if self._gathered:
             return
         outcomes: dict[int, Outcome] = {}
@@ -270,8 +271,8 @@ class RankRunner:
         print(f"\n{text}{note}", file=sys.__stderr__, flush=True)
         self._exit_for_restart()
 
-    def _exit_if_restarting(self) -> None:
-        key = f"{self._key}/verdict"
+    def _exit_if_restarting(self, task: str | None = None) -> None:
+        key = f"{task or self._key}/verdict"
         if self.session.has(key) and self.session.get(key)["restart"]:
             self._exit_for_restart()
 
@@ -335,7 +336,12 @@ class RankRunner:
             if self._key:
                 self.session.store.set(f"{self._key}/term/{self.rank}", b"1")
 
-        on_sigterm(note)
+        def bounded() -> None:  # torchrun's SIGKILL follows after 30 s: never spend them on the store
+            writer = threading.Thread(target=note, daemon=True)
+            writer.start()
+            writer.join(2.0)
+
+        on_sigterm(bounded)
 
     # ---- the end of the job -------------------------------------------------------------------
     def finish(self, status: int) -> None:

@@ -84,9 +84,13 @@ class Session:
         base = f"paritytest/{env.run_id}"
         self.record = dist.PrefixStore(f"{base}/record", raw)
         self.store = self.attempt_store(env.attempt)
-        # the group's own keys apart from ours and from torch's default "default_pg" keys, which a
-        # previous attempt may have left in the same (agent-hosted) store
-        pg_store = dist.PrefixStore("pg", self.store)
+        # The group gets a store connection of its own: its rendezvous (new_group, barriers) blocks in
+        # store waits holding the connection, and the watchdog and SIGTERM threads must still be able
+        # to write through ours. Its keys sit apart from ours and from torch's "default_pg" keys,
+        # which a previous attempt may have left in the same (agent-hosted) store.
+        pg_client = dist.TCPStore(env.master_addr, env.master_port, env.world, is_master=False,
+                                  timeout=timedelta(seconds=SETUP_TIMEOUT), wait_for_workers=False)
+        pg_store = dist.PrefixStore("pg", dist.PrefixStore(f"{base}/attempt{env.attempt}", pg_client))
         # A collective that never completes fails after the deadline (plus the time the watchdog
         # needs to gather stacks), not after torch's 30 minutes.
         timeout = timedelta(seconds=deadline + 60.0)
