@@ -56,6 +56,7 @@ def _usage(option: str, value, why: str) -> pytest.UsageError:
 _RUNNER = pytest.StashKey()
 _LOG = pytest.StashKey()  # a rank other than 0: the file its output goes to
 _quiet_stderr: int | None = None  # a rank other than 0: the launcher's stderr, kept for its closing line
+_launcher_stderr: int | None = None  # every rank: the launcher's stderr, whatever capture does to fd 2
 
 
 # what torchrun sets for every worker (RANK..MASTER_PORT is the env:// contract); read here without
@@ -78,7 +79,11 @@ def pytest_load_initial_conftests(early_config, parser, args):
     """Under torchrun, ranks other than 0 write their output to a log file of their own: N copies
     of the same report would bury rank 0's. Done here, before pytest's capture takes the file
     descriptors, so that capture (and the terminal reporter) write into the log."""
-    global _quiet_stderr
+    global _quiet_stderr, _launcher_stderr
+    if launched_by_torchrun() and _launcher_stderr is None:
+        # the launcher's stderr, kept before pytest's capture replaces fd 2: a rank that exits for a
+        # restart in the middle of a test still gets its failure text out there
+        _launcher_stderr = os.dup(2)
     if launched_by_torchrun() and os.environ["RANK"] != "0" and _quiet_stderr is None:
         where = getattr(early_config.known_args_namespace, "rank_logs", None) or os.path.join(
             tempfile.gettempdir(),
@@ -112,7 +117,7 @@ def _start_torchrun(config) -> None:
         raise pytest.UsageError(f"torchrun mode needs the harness.torchrun package, which this install of paritytest "
                                 f"lacks ({error}): install it with pip install -e") from None
 
-    runner = start(config.getoption("--backend"), config.getoption("--case-deadline"))
+    runner = start(config.getoption("--backend"), config.getoption("--case-deadline"), _launcher_stderr)
     config.stash[_RUNNER] = runner
     complete = runner.finished_before()
     if complete is not None:  # torchrun restarted a job whose every test is judged: same status again
@@ -442,6 +447,12 @@ class _Summary:
 
 
 _summary = _Summary()
+
+
+def pytest_runtest_setup(item):
+    runner = _runner(item.config)
+    if runner is not None:
+        runner.enter(item.nodeid)
 
 
 def pytest_sessionfinish(session, exitstatus):

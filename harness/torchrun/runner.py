@@ -17,6 +17,7 @@ an outcome nor the note a rank stopped by torchrun leaves.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import pickle
@@ -48,11 +49,13 @@ class RankRunner:
         self.deadline = session.deadline
         self._meshes: dict[tuple, Any] = {}
         self._functions: dict[str, Any] = {}
-        self._task = 0
-        self._key = ""  # "t<n>": the keys of the task running now
+        self._test = "none"  # hash of the running test's node id (see enter)
+        self._task = 0  # rounds of run() within that test
+        self._key = ""  # "<test>/<n>": the keys of the round running now
         self._current: dict | None = None  # nodeid and record of the cell running now
         self._gathered = False
         self.own_failures = 0  # cells in which this rank raised or hung (for its closing line)
+        self.stderr: int | None = None  # fd of the launcher's stderr (see harness.plugin)
         root = scratch_root or os.environ.get("PARITYTEST_SCRATCH") or tempfile.gettempdir()
         self._scratch = os.path.join(root, f"paritytest-{session.env.run_id}-{session.env.master_port}"
                                            f"-attempt{session.env.attempt}")
@@ -85,7 +88,9 @@ class RankRunner:
                                 f"launch at least {need} ranks or choose a smaller mesh")
         deadline = self.deadline if deadline is None else deadline
         self._task += 1
-        self._key, self._gathered = f"t{self._task}", False
+        # keyed by the test and the call's number within it, not a job-wide count: a rank that
+        # skipped a round for any reason cannot read another test's outcomes or verdict as its own
+        self._key, self._gathered = f"{self._test}/{self._task}", False
         # Collective over the whole job, as in the pool's mesh build round: setup, not the case.
         build_meshes(self._meshes, (mesh, *extra), self.backend)
         scratch = os.path.join(self._scratch, self._key)
@@ -163,18 +168,30 @@ class RankRunner:
                           f"{[r for r, o in sorted(outcomes.items()) if o.status == 'raised']}", outcomes, world)
 
     # ---- verdicts ------------------------------------------------------------------------
+    def enter(self, nodeid: str) -> None:
+        """A test starts (every rank, from the plugin's setup hook): its rounds are numbered from 1."""
+        self._test = hashlib.sha1(nodeid.encode()).hexdigest()[:16]
+        self._task = 0
+
     def begin(self, nodeid: str, record: dict | None) -> None:
         """The test about to call :meth:`run`: its record is what a hang or death is reported in."""
         self._current = {"nodeid": nodeid, "record": dict(record) if record is not None else None}
 
     def recorded(self, nodeid: str) -> dict | None:
-        """The verdict an earlier attempt of this job gave ``nodeid`` (then it is not run again)."""
+        """The verdict an earlier attempt of this job gave ``nodeid`` (then it is not run again).
+
+        Only an earlier attempt's: in this attempt rank 0 may already have judged a cell that a slow
+        rank, idle in it, has not reached yet; that rank must still run the cell's round (mesh
+        build, outcome) or its task numbering would fall one behind the others'."""
         key = f"verdict/{nodeid}"
-        return self.session.get(key, self.session.record) if self.session.has(key, self.session.record) else None
+        if not self.session.has(key, self.session.record):
+            return None
+        verdict = self.session.get(key, self.session.record)
+        return verdict if verdict.get("attempt", -1) < self.session.env.attempt else None
 
     def share_verdict(self, failure: str | None, record: dict) -> None:
         """Rank 0: publish the cell's verdict to the other ranks and into the job's record."""
-        verdict = {"failure": failure, "record": record, "restart": False}
+        verdict = {"failure": failure, "record": record, "restart": False, "attempt": self.session.env.attempt}
         self.session.set(f"{self._key}/verdict", verdict)
         if self._current:
             self.session.set(f"verdict/{self._current['nodeid']}", verdict, self.session.record)
@@ -263,13 +280,20 @@ class RankRunner:
         current = self._current or {}
         record = dict(current.get("record") or {})
         record.update(status="failed", kind=kind)
-        verdict = {"failure": text + note, "record": record, "restart": True}
+        verdict = {"failure": text + note, "record": record, "restart": True, "attempt": self.session.env.attempt}
         if current.get("nodeid") and record:
             self.session.set(f"verdict/{current['nodeid']}", verdict, self.session.record)
         self.session.record.delete_key("inflight")
         self.session.set(f"{self._key}/verdict", verdict)
-        print(f"\n{text}{note}", file=sys.__stderr__, flush=True)
+        self._say(f"\n{text}{note}\n")
         self._exit_for_restart()
+
+    def _say(self, text: str) -> None:
+        """Write to the launcher's stderr: pytest's capture may hold fd 2 when a rank must exit."""
+        if self.stderr is not None:
+            os.write(self.stderr, text.encode())
+        else:
+            print(text, file=sys.__stderr__, flush=True)
 
     def _exit_if_restarting(self, task: str | None = None) -> None:
         key = f"{task or self._key}/verdict"
@@ -325,7 +349,8 @@ class RankRunner:
         failure = CaseFailure(reason, outcomes, info["world"])
         record = dict(info["record"])
         record.update(status="failed", kind="crash")
-        verdict = {"failure": str(failure), "record": record, "restart": False}
+        # judged now, for the attempt that died: replayed from here on
+        verdict = {"failure": str(failure), "record": record, "restart": False, "attempt": info["attempt"]}
         session.set(f"verdict/{info['nodeid']}", verdict, session.record)
 
     def install_sigterm_note(self) -> None:
@@ -363,7 +388,7 @@ class RankRunner:
         return int(self.session.get("complete", self.session.record))
 
 
-def start(backend: str = "auto", deadline: float = 30.0) -> RankRunner:
+def start(backend: str = "auto", deadline: float = 30.0, stderr: int | None = None) -> RankRunner:
     """This process's session and runner, from torchrun's environment: SIGTERM blocked before any
     thread exists, then the store and the process group, then the SIGTERM thread."""
     from .session import LaunchEnv
@@ -374,6 +399,7 @@ def start(backend: str = "auto", deadline: float = 30.0) -> RankRunner:
     block_sigterm()
     session = Session(LaunchEnv.from_env(), backend, deadline)
     runner = RankRunner(session)
+    runner.stderr = stderr
     runner.install_sigterm_note()
     # the lazy imports a first cell would pay inside its deadline (as the pool's zygote does)
     warm_up()

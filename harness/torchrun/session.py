@@ -56,14 +56,6 @@ class LaunchEnv:
                    attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
                    agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True", host=socket.gethostname())
 
-    def where(self, rank: int | None = None, who: dict | None = None) -> str:
-        """``rank 3 (host h, local rank 1, node 1, pid 123)``: how a rank is named in messages."""
-        rank = self.rank if rank is None else rank
-        info = (who or {}).get(rank)
-        if info is None:
-            return f"rank {rank}"
-        return f"rank {rank} (host {info['host']}, local rank {info['local_rank']}, node {info['node']}, pid {info['pid']})"
-
 
 class Session:
     """This rank's part of the job: the store, the process group over every rank, and the record."""
@@ -162,7 +154,3 @@ class Session:
                 f"{len(their_ids)}; the first difference is test #{at + 1}: rank 0 has {mine}, rank {r} has "
                 f"{other}. Every rank must select the same tests in the same order (same paths, -k, -m, "
                 "conftests and installed extras on every host)")
-
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
