@@ -256,3 +256,38 @@ def test_ranks_that_collect_differently_stop_at_once_naming_the_first_difference
     assert time.perf_counter() - start < 120  # no rank waits for a collective the others never reach
     assert ("torchrun ranks collected different tests: rank 0 has 3, rank 1 has 2; the first difference is "
             "test #2: rank 0 has test_n.py::test_n[2], rank 1 has test_n.py::test_n[3]") in run.stderr
+
+
+SLOW_RANK_CONFTEST = '''
+import os
+import time
+
+
+def pytest_runtest_setup(item):
+    if os.environ.get("RANK") == "1" and "-tp1-" in item.nodeid:
+        time.sleep(5)  # rank 1, idle in this 1-rank cell, reaches it after rank 0 has judged it
+'''
+
+SLOW_RANK_CASES = '''
+import pytest
+from harness.matrix import cells
+from reference.tp import SIZES
+
+CELLS = cells("tp", impls=["ours"], meshes=["tp=1", "tp=2"], dtypes=["fp32"], sizes=SIZES, switches={"op": ["mlp"]})
+
+
+@pytest.mark.parametrize("cfg", CELLS, ids=str)
+def test_tp(cfg, parity):
+    parity(cfg)
+'''
+
+
+def test_a_rank_late_to_a_cell_it_idles_in_still_runs_the_next_cell_with_the_others(tmp_path):
+    """Rank 0 judges the 1-rank cell before rank 1 gets there; rank 1 must still take its turn
+    (and not replay rank 0's verdict as if from an earlier attempt), or the 2-rank cell after it
+    waits for an outcome rank 1 files under another cell."""
+    project = make_project(tmp_path / "late", {"conftest.py": SLOW_RANK_CONFTEST, "test_cells.py": SLOW_RANK_CASES})
+    run = torchrun(["--standalone", "--nproc-per-node", "2"], ["test_cells.py", "--case-deadline", "20"],
+                   cwd=project, env=env_for(project), timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[:3000]
+    assert "2 passed" in run.stdout
