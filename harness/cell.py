@@ -8,12 +8,12 @@ from pathlib import Path
 import torch
 
 from .compare.diff import Report, compare
+from .compare.tolerance import Tolerances
 from .config import Config
 from .golden.store import GoldenError, MissingGolden, golden_path, metadata, read_golden, update_command, write_golden
 from .layout import AssemblyError, MeshLayout, assemble
 from .pool.parent import Pool
 from .registry import Component, validate
-from .compare.tolerance import Tolerances
 
 
 class Divergence(AssertionError):
@@ -70,16 +70,30 @@ def parity(cfg: Config, component: Component, assembled: dict) -> tuple[Toleranc
     return tol, compare(assembled, expected, tol)
 
 
-def execute(cfg: Config, pool: Pool) -> CellOutcome:
-    """Run the cell in the pool and compare it with the reference, without judging: the outcome
-    holds the parity report and the logical result whether or not they match."""
-    component = validate(cfg, pool.size)
+def run_pieces(cfg: Config, pool: Pool, component: Component) -> dict[int, dict] | None:
+    """Run the cell's implementation on the ranks of its mesh: each rank's named pieces.
+
+    ``pool`` is the warm pool, or under torchrun this process's rank runner
+    (:class:`harness.torchrun.runner.RankRunner`, the same ``run`` signature), which runs this
+    rank's part in-process and returns the pieces on rank 0 only (None elsewhere).
+    """
     run = component.implementations[cfg.impl].run
-    pieces = pool.run(run, cfg, cfg.mesh, seed=cfg.seed, label=cfg.id, extra_meshes=component.extra_meshes(cfg))
+    return pool.run(run, cfg, cfg.mesh, seed=cfg.seed, label=cfg.id, extra_meshes=component.extra_meshes(cfg))
+
+
+def outcome_of(cfg: Config, component: Component, pieces: dict[int, dict]) -> CellOutcome:
+    """Every rank's pieces -> the logical result and its parity report against the reference."""
     assembled = assemble_result(cfg, pieces)
     outcome = CellOutcome(cfg, *parity(cfg, component, assembled))
     outcome.result = {name: a.tensor for name, a in assembled.items()}
     return outcome
+
+
+def execute(cfg: Config, pool: Pool) -> CellOutcome:
+    """Run the cell in the pool and compare it with the reference, without judging: the outcome
+    holds the parity report and the logical result whether or not they match."""
+    component = validate(cfg, pool.size)
+    return outcome_of(cfg, component, run_pieces(cfg, pool, component))
 
 
 def run_cell(cfg: Config, pool: Pool, *, golden_dir: Path | None = None, update_golden: bool = False,

@@ -10,7 +10,9 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 import time
+import traceback
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -37,6 +39,9 @@ def pytest_addoption(parser):
     group.addoption("--case-deadline", type=float, default=DEFAULT_DEADLINE,
                     help=f"seconds a cell may run before its ranks' stacks are taken and it fails (default {DEFAULT_DEADLINE:g})")
     group.addoption("--golden-dir", default=None, help="where golden files live (default: <rootdir>/golden)")
+    group.addoption("--rank-logs", default=None,
+                    help="under torchrun: where ranks other than 0 write their pytest output "
+                         "(default: a directory in the system's temp dir, named in their closing line)")
     group.addoption("--quick", action="store_true",
                     help="the edit loop: of each component and implementation, a few cells on its smallest mesh of "
                          "more than one rank, covering every dtype and switch value, and no other test that needs "
@@ -47,8 +52,78 @@ def _usage(option: str, value, why: str) -> pytest.UsageError:
     return pytest.UsageError(f"{option} {value}: {why}")
 
 
+# ---- torchrun mode (harness.torchrun): each pytest process is one rank ----------------------------
+_RUNNER = pytest.StashKey()
+_LOG = pytest.StashKey()  # a rank other than 0: the file its output goes to
+_quiet_stderr: int | None = None  # a rank other than 0: the launcher's stderr, kept for its closing line
+_launcher_stderr: int | None = None  # every rank: the launcher's stderr, whatever capture does to fd 2
+
+
+# what torchrun sets for every worker (RANK..MASTER_PORT is the env:// contract); read here without
+# importing harness.torchrun, so that a pool run never depends on that package
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_by_torchrun() -> bool:
+    """True when this pytest process is a rank of a torchrun job (or given the same environment)."""
+    return all(os.environ.get(name) for name in TORCHRUN_ENV)
+
+
+def _runner(config):
+    """This rank's :class:`harness.torchrun.runner.RankRunner` under torchrun, else None."""
+    return config.stash.get(_RUNNER, None)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_load_initial_conftests(early_config, parser, args):
+    """Under torchrun, ranks other than 0 write their output to a log file of their own: N copies
+    of the same report would bury rank 0's. Done here, before pytest's capture takes the file
+    descriptors, so that capture (and the terminal reporter) write into the log."""
+    global _quiet_stderr, _launcher_stderr
+    if launched_by_torchrun() and _launcher_stderr is None:
+        # the launcher's stderr, kept before pytest's capture replaces fd 2: a rank that exits for a
+        # restart in the middle of a test still gets its failure text out there
+        _launcher_stderr = os.dup(2)
+    if launched_by_torchrun() and os.environ["RANK"] != "0" and _quiet_stderr is None:
+        where = getattr(early_config.known_args_namespace, "rank_logs", None) or os.path.join(
+            tempfile.gettempdir(),
+            f"paritytest-torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}-{os.environ['MASTER_PORT']}")
+        os.makedirs(where, exist_ok=True)
+        path = os.path.join(where, f"rank{os.environ['RANK']}.log")
+        log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)  # appended: restarts add to it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _quiet_stderr = os.dup(2)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        early_config.stash[_LOG] = path
+    yield
+
+
+def _start_torchrun(config) -> None:
+    """Under torchrun: refuse xdist, leave the junit XML to rank 0, join the job's process group."""
+    if not launched_by_torchrun() or config.option.help or config.option.version:
+        return
+    workers = getattr(config.option, "numprocesses", None)  # xdist's -n (0 or None: no workers)
+    if workers:
+        raise _usage("-n", workers, "xdist cannot run under torchrun: each pytest process is already one rank "
+                                    "(torchrun --nproc-per-node sets how many); drop -n")
+    if os.environ["RANK"] != "0":
+        config.option.xmlpath = None  # one report per job, rank 0's: the verdicts are the same on every rank
+    from .torchrun.runner import start
+
+    runner = start(config.getoption("--backend"), config.getoption("--case-deadline"), _launcher_stderr)
+    config.stash[_RUNNER] = runner
+    complete = runner.finished_before()
+    if complete is not None:  # torchrun restarted a job whose every test is judged: same status again
+        pytest.exit(f"[torchrun] this job finished in an earlier attempt with exit status {complete}", complete)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
-    """Reject bad option values and unresolvable implementations before anything runs: one line each."""
+    """Reject bad option values and unresolvable implementations before anything runs: one line each.
+    Under torchrun, join the job (first: so that junit XML is left to rank 0 before it configures)."""
     opt = config.getoption
     if opt("--pool-size") < 1:
         raise _usage("--pool-size", opt("--pool-size"), "must be at least 1 (ranks kept warm), e.g. --pool-size 8")
@@ -62,6 +137,7 @@ def pytest_configure(config):
     except ValueError as error:
         raise _usage("--backend", opt("--backend"), str(error)) from None
     _check_implementations()
+    _start_torchrun(config)
 
 
 def _check_implementations() -> None:
@@ -132,6 +208,11 @@ def _needed_ranks(items, most: int) -> int:
     return min(need, most)
 
 
+def _cell_world(cfg: Config, component) -> int:
+    """Ranks a cell needs: its mesh's and its declared extra meshes'."""
+    return max([cfg.world] + [MeshLayout.of(dims).world for dims in component.extra_meshes(cfg)])
+
+
 def _pool(config, size: int | None = None, preload: tuple[str, ...] | None = None):
     opt = config.getoption
     return shared_pool(size=size or opt("--pool-size"), backend=opt("--backend"), deadline=opt("--case-deadline"),
@@ -142,6 +223,16 @@ def pytest_collection_finish(session):
     """Start the pool as soon as the selection is known, sized to it: its ranks import torch while
     this process pays its own lazy imports."""
     _check_implementations()  # registrations made by conftests collected late
+    runner = _runner(session.config)
+    if runner is not None:  # no pool: check every rank collected the same, then resume a restarted job
+        from .torchrun.session import CollectionMismatch
+
+        try:
+            runner.session.check_collection([item.nodeid for item in session.items])
+        except CollectionMismatch as error:
+            raise pytest.UsageError(str(error)) from None
+        runner.recover()
+        return
     users = [item for item in session.items if "rank_pool" in getattr(item, "fixturenames", ())]
     if users and not session.config.option.collectonly:
         from .pool.parent import default_preload
@@ -157,7 +248,12 @@ def pytest_collection_finish(session):
 
 @pytest.fixture(scope="session")
 def rank_pool(pytestconfig):
-    """This pytest process's warm pool of ranks, started on first use."""
+    """This pytest process's warm pool of ranks, started on first use; under torchrun, this rank's
+    runner (the same ``run``, every rank getting every rank's value)."""
+    runner = _runner(pytestconfig)
+    if runner is not None:
+        yield runner
+        return
     pool = _pool(pytestconfig)
     yield pool
     pool.close()
@@ -199,7 +295,7 @@ def _worst(report) -> dict:
 @pytest.fixture
 def parity(request, rank_pool, pytestconfig):
     """``parity(cfg)``: run the cell in the pool, compare with the reference and its golden file."""
-    from .cell import Divergence, run_cell
+    from .cell import Divergence, run_cell, run_pieces
     from .golden.store import GoldenError
     from .layout import AssemblyError
     from .registry import validate
@@ -216,13 +312,19 @@ def parity(request, rank_pool, pytestconfig):
 
     def _run_checked(cfg: Config, record: dict):
         start = time.perf_counter()
+        runner = _runner(pytestconfig)
+        outcome = None
         try:
-            component = validate(cfg, rank_pool.size)
+            component = validate(cfg, None if runner else rank_pool.size)
+            need = _cell_world(cfg, component)
         except ConfigError as error:
             failure, record["kind"] = f"invalid config: {error}", "invalid"
         else:
             impl = component.implementations[cfg.impl]
             reason = impl.skip_reason(cfg)
+            if reason is None and runner is not None and need > runner.size:
+                reason = (f"needs {need} ranks and this torchrun job has {runner.size}: launch at least {need} "
+                          "(--nnodes x --nproc-per-node)")
             if reason:
                 record["status"] = "skipped"
                 pytest.skip(reason)
@@ -232,23 +334,62 @@ def parity(request, rank_pool, pytestconfig):
                 request.applymarker(pytest.mark.xfail(
                     strict=True, reason=f"known divergence of {cfg.impl}: {known}. If this cell passes (XPASS), "
                                         f"the upstream behaviour changed: remove its entry from {impl.xfail}"))
-            try:
-                outcome = run_cell(cfg, rank_pool, golden_dir=golden_dir, update_golden=opt("--update-golden"),
-                                   missing_golden="fail" if opt("--strict-golden") else "write",
-                                   rerun=rerun_command(pytestconfig, request.node.nodeid))
-                failure = None
-            except Divergence as error:
-                failure, record["kind"] = str(error), error.kind
-                record.update(_worst(error.report))
-            except CaseFailure as error:
-                failure, record["kind"] = str(error), error.kind
-            except (AssemblyError, GoldenError, PoolError) as error:
-                failure, record["kind"] = str(error), type(error).__name__
-        record["seconds"] = round(time.perf_counter() - start, 4)
+            if runner is None:
+                failure, outcome = _judge(cfg, rank_pool, record, start)
+            else:
+                failure, outcome = _on_ranks(cfg, component, runner, record, start)
+        record["seconds"] = record.get("seconds") or round(time.perf_counter() - start, 4)
         if failure is not None:  # outside the except block: the report shows our message, no chain
             pytest.fail(failure, pytrace=False)
-        record.update(_worst(outcome.parity), status="passed", golden=outcome.golden_status, moved=outcome.moved)
         return outcome
+
+    def _judge(cfg: Config, pool, record: dict, start: float):
+        """Run the cell through ``pool`` (the warm pool, or rank 0's runner) and judge it: the failure
+        text or None, and the outcome; the record is filled in either way."""
+        try:
+            outcome = run_cell(cfg, pool, golden_dir=golden_dir, update_golden=opt("--update-golden"),
+                               missing_golden="fail" if opt("--strict-golden") else "write",
+                               rerun=rerun_command(pytestconfig, request.node.nodeid))
+        except Divergence as error:
+            record["kind"] = error.kind
+            record.update(_worst(error.report))
+            return str(error), None
+        except CaseFailure as error:
+            record["kind"] = error.kind
+            return str(error), None
+        except (AssemblyError, GoldenError, PoolError) as error:
+            record["kind"] = type(error).__name__
+            return str(error), None
+        finally:
+            record["seconds"] = round(time.perf_counter() - start, 4)
+        record.update(_worst(outcome.parity), status="passed", golden=outcome.golden_status, moved=outcome.moved)
+        return None, outcome
+
+    def _on_ranks(cfg: Config, component, runner, record: dict, start: float):
+        """Under torchrun: every rank runs its part; rank 0 judges and shares the verdict, which the
+        other ranks adopt (record included), so every rank reports the same outcome. A cell an
+        earlier attempt of this job judged is not run again: its verdict is replayed."""
+        nodeid = request.node.nodeid
+        verdict = runner.recorded(nodeid)
+        if verdict is None:
+            runner.begin(nodeid, record)
+            if runner.rank == 0:
+                try:
+                    failure, outcome = _judge(cfg, runner, record, start)
+                except BaseException as error:  # not the cell's failure but ours: the others must hear too
+                    record["kind"] = type(error).__name__
+                    runner.share_verdict(f"{cfg.id}: the harness failed on rank 0 while judging the cell:\n"
+                                         f"{traceback.format_exc()}", record)
+                    raise
+                runner.share_verdict(failure, record)
+                return failure, outcome
+            try:
+                run_pieces(cfg, runner, component)
+            finally:  # whatever happened here, the cell's verdict is rank 0's
+                verdict = runner.await_verdict()
+        record.clear()
+        record.update(verdict["record"])
+        return verdict["failure"], None
 
     return check
 
@@ -302,6 +443,24 @@ class _Summary:
 
 
 _summary = _Summary()
+
+
+def pytest_runtest_setup(item):
+    runner = _runner(item.config)
+    if runner is not None:
+        runner.enter(item.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    runner = _runner(session.config)
+    if runner is None:
+        return
+    runner.finish(int(exitstatus))
+    if runner.rank != 0 and runner.own_failures and _quiet_stderr is not None:
+        env = runner.session.env
+        os.write(_quiet_stderr, (f"rank {env.rank} (host {env.host}, local rank {env.local_rank}): its part raised or "
+                                 f"hung in {runner.own_failures} cell(s); its pytest output: "
+                                 f"{session.config.stash.get(_LOG, '?')}\n").encode())
 
 
 def pytest_runtest_logreport(report):

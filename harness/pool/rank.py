@@ -129,6 +129,27 @@ def seed_rank(seed: int, rank: int) -> None:
     random.seed(value)
 
 
+def build_meshes(meshes: dict, wanted, backend: str) -> None:
+    """Create the DeviceMesh of every dims tuple in ``wanted`` that ``meshes`` lacks, and cache it.
+
+    Collective: every rank of the default process group must call it with the same ``wanted``, the
+    ranks outside a (smaller) mesh included, because each DeviceMesh makes its groups with
+    ``new_group`` over the whole world. Shared by the pool's ranks and by torchrun's ranks
+    (harness.torchrun), so both build the same groups in the same order.
+    """
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..layout import MeshLayout
+    from .backend import device_type
+
+    for dims in wanted:
+        if dims not in meshes:
+            shape = MeshLayout.of(dims)
+            ranks = torch.arange(shape.world).view(shape.shape)
+            meshes[dims] = DeviceMesh(device_type(backend), ranks, mesh_dim_names=shape.names)
+
+
 def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
     log = os.open(os.path.join(spec["tmp"], f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 1)
@@ -139,11 +160,10 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
 
-    from .backend import device_type, rank_device
     from ..context import RankContext
     from ..layout import MeshLayout
+    from .backend import rank_device
 
     torch.set_num_threads(1)
     conn = Connection(fd)
@@ -153,7 +173,7 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     _send(conn, ("ready", rank))
-    meshes: dict[tuple, DeviceMesh] = {}
+    meshes: dict = {}  # dims -> DeviceMesh, built by build_meshes
     functions: dict[str, object] = {}
     while True:
         try:
@@ -165,11 +185,7 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
         _, task, path, payload, mesh, extra, seed, scratch = message
         try:
             layout = MeshLayout.of(mesh)
-            for dims in (mesh, *extra):
-                if dims not in meshes:  # every pool rank takes part in creating the groups
-                    shape = MeshLayout.of(dims)
-                    ranks = torch.arange(shape.world).view(shape.shape)
-                    meshes[dims] = DeviceMesh(device_type(backend), ranks, mesh_dim_names=shape.names)
+            build_meshes(meshes, (mesh, *extra), backend)
             if rank >= layout.world:
                 _send(conn, ("idle", task, rank, None))
                 continue
