@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import junit
+from harness.report import junit
 
 ROOT = Path(__file__).resolve().parents[1]
 
