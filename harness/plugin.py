@@ -6,6 +6,7 @@ the options and the fixture without naming the plugin. It is inert until a test 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -55,6 +56,7 @@ def _usage(option: str, value, why: str) -> pytest.UsageError:
 # ---- torchrun mode (harness.torchrun): each pytest process is one rank ----------------------------
 _RUNNER = pytest.StashKey()
 _LOG = pytest.StashKey()  # a rank other than 0: the file its output goes to
+_OWN_LOG_DIR = pytest.StashKey()  # the default --rank-logs directory, which the harness made
 _quiet_stderr: int | None = None  # a rank other than 0: the launcher's stderr, kept for its closing line
 _launcher_stderr: int | None = None  # every rank: the launcher's stderr, whatever capture does to fd 2
 
@@ -98,6 +100,8 @@ def pytest_load_initial_conftests(early_config, parser, args):
         os.dup2(log, 2)
         os.close(log)
         early_config.stash[_LOG] = path
+        if not getattr(early_config.known_args_namespace, "rank_logs", None):
+            early_config.stash[_OWN_LOG_DIR] = where  # ours to remove when it has nothing to read
     yield
 
 
@@ -461,6 +465,11 @@ def pytest_sessionfinish(session, exitstatus):
         os.write(_quiet_stderr, (f"rank {env.rank} (host {env.host}, local rank {env.local_rank}): its part raised or "
                                  f"hung in {runner.own_failures} cell(s); its pytest output: "
                                  f"{session.config.stash.get(_LOG, '?')}\n").encode())
+    elif runner.rank != 0 and _OWN_LOG_DIR in session.config.stash:
+        # nothing on this rank to read: its log, and the default directory once empty, go
+        with contextlib.suppress(OSError):
+            os.remove(session.config.stash[_LOG])
+            os.rmdir(session.config.stash[_OWN_LOG_DIR])
 
 
 def pytest_runtest_logreport(report):

@@ -46,6 +46,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(autouse=True)
+def private_tmpdir(tmp_path, monkeypatch):
+    """The jobs' temp directory (rank logs of failing ranks, scratch) inside the test's, which
+    pytest removes: a job that fails on purpose leaves nothing in the system's."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+
+
 def env_for(project: Path | None = None) -> dict:
     paths = [str(ROOT)] + ([str(project)] if project else []) + [os.environ.get("PYTHONPATH", "")]
     return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))

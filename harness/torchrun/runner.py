@@ -57,8 +57,8 @@ class RankRunner:
         self.own_failures = 0  # cells in which this rank raised or hung (for its closing line)
         self.stderr: int | None = None  # fd of the launcher's stderr (see harness.plugin)
         root = scratch_root or os.environ.get("PARITYTEST_SCRATCH") or tempfile.gettempdir()
-        self._scratch = os.path.join(root, f"paritytest-{session.env.run_id}-{session.env.master_port}"
-                                           f"-attempt{session.env.attempt}")
+        self._job_scratch = os.path.join(root, f"paritytest-{session.env.run_id}-{session.env.master_port}")
+        self._scratch = f"{self._job_scratch}-attempt{session.env.attempt}"
         self.watchdog = Watchdog()
 
     # ---- the pool's interface ------------------------------------------------------------
@@ -379,7 +379,9 @@ class RankRunner:
             session.wait_all([f"finished/{r}" for r in range(self.size)], 60.0)
             if status in (0, 1, 5):  # passed, failed, nothing collected: not an interrupted run
                 session.set("complete", status, session.record)
-        shutil.rmtree(self._scratch, ignore_errors=True)
+        # this attempt's, and those of earlier attempts that ended at a hang or a death
+        for attempt in range(session.env.attempt + 1):
+            shutil.rmtree(f"{self._job_scratch}-attempt{attempt}", ignore_errors=True)
 
     def finished_before(self) -> int | None:
         """The exit status an earlier attempt of this job finished with, or None."""
