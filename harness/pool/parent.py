@@ -48,6 +48,19 @@ class PoolError(RuntimeError):
     """The pool could not start or cannot run a task of this shape."""
 
 
+def fitting(mesh, extra_meshes, size: int, short: str) -> tuple[int, tuple]:
+    """The world of ``mesh`` and the extra meshes as tuples of ``(name, degree)``; a
+    :class:`PoolError` when one needs more than ``size`` ranks (``short``: what there is and the fix,
+    a format string with ``{size}`` and ``{need}``)."""
+    extra = tuple(tuple((str(n), int(d)) for n, d in dims) for dims in extra_meshes)
+    for dims in (mesh, *extra):
+        need = math.prod(d for _, d in dims)
+        if need > size:
+            raise PoolError(f"mesh {dims} needs {need} ranks but {short.format(size=size, need=need)} "
+                            "or choose a smaller mesh")
+    return math.prod(d for _, d in mesh), extra
+
+
 @dataclass
 class Outcome:
     """What one rank did with a task."""
@@ -240,13 +253,7 @@ class Pool:
         Returns each mesh rank's return value. Raises :class:`CaseFailure` when any rank raises,
         dies or is still running at the deadline, with every rank's outcome.
         """
-        world = math.prod(d for _, d in mesh)
-        extra = tuple(tuple((str(n), int(d)) for n, d in dims) for dims in extra_meshes)
-        for dims in (mesh, *extra):
-            need = math.prod(d for _, d in dims)
-            if need > self.size:
-                raise PoolError(f"mesh {dims} needs {need} ranks but the pool has {self.size}: "
-                                f"run with --pool-size {need} or choose a smaller mesh")
+        world, extra = fitting(mesh, extra_meshes, self.size, "the pool has {size}: run with --pool-size {need}")
         self.start()
         mesh = tuple(mesh)
         if (mesh, extra) not in self._built:

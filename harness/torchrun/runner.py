@@ -18,7 +18,6 @@ an outcome nor the note a rank stopped by torchrun leaves.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import pickle
 import shutil
@@ -29,7 +28,7 @@ import time
 import traceback
 from typing import Any
 
-from ..pool.parent import FAILURE_GRACE, CaseFailure, Outcome, PoolError, summarize_stack
+from ..pool.parent import FAILURE_GRACE, CaseFailure, Outcome, fitting, summarize_stack
 from .session import SETUP_TIMEOUT, Session
 from .watchdog import Watchdog, main_stack, on_sigterm
 
@@ -79,13 +78,8 @@ class RankRunner:
         if gather is None:
             gather = "first" if self._current and self._current.get("record") is not None else "all"
         mesh = tuple(mesh)
-        world = math.prod(d for _, d in mesh)
-        extra = tuple(tuple((str(n), int(d)) for n, d in dims) for dims in extra_meshes)
-        for dims in (mesh, *extra):
-            need = math.prod(d for _, d in dims)
-            if need > self.size:
-                raise PoolError(f"mesh {dims} needs {need} ranks but this torchrun job has {self.size}: "
-                                f"launch at least {need} ranks or choose a smaller mesh")
+        world, extra = fitting(mesh, extra_meshes, self.size,
+                               "this torchrun job has {size}: launch at least {need} ranks")
         deadline = self.deadline if deadline is None else deadline
         self._task += 1
         # keyed by the test and the call's number within it, not a job-wide count: a rank that
