@@ -99,12 +99,19 @@ def reference(cfg: Config) -> dict[str, torch.Tensor]:
         optimizer.zero_grad()
         if i == 0:
             result.update(state(params, optimizer, "loaded"))
-            # events: what is saved is what every load restores
-            events.record("checkpoint", {}, state(params, optimizer, "state"), phase="save")
-            events.record("checkpoint", {}, state(params, optimizer, "state"), phase="load")
-    events.record("checkpoint", {}, state(params, optimizer, "state"), phase="resume")
+    result.update(state(params, optimizer, "resumed"))
+    # events: the state saved (which every load must restore) and the state after the resumed step
+    saved, resumed = (_renamed(result, prefix) for prefix in ("loaded/", "resumed/"))
+    events.record("checkpoint", {}, saved, phase="save")
+    events.record("checkpoint", {}, saved, phase="load")
+    events.record("checkpoint", {}, resumed, phase="resume")
     result["resumed/loss"] = loss.detach()
-    return result | state(params, optimizer, "resumed")
+    return result
+
+
+def _renamed(result: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The state under ``prefix`` by its event names (``state/param/w1``), the tensors themselves."""
+    return {"state/" + k[len(prefix):]: t for k, t in result.items() if k.startswith(prefix)}
 
 
 def reduction_size(cfg: Config) -> dict[str, int]:

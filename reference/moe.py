@@ -137,8 +137,9 @@ def moe(cfg: Config, x: torch.Tensor, p: dict[str, torch.Tensor]) -> dict[str, t
     out = torch.zeros_like(x)
     for expert in range(e):
         token, slot = ((route == expert) & kept).nonzero(as_tuple=True)
-        y = swiglu(x[token], p["w_gate"][expert], p["w_up"][expert], p["w_down"][expert])
-        events.record("expert", {"x": x[token]}, {"y": y}, expert=expert)
+        rows = x[token]
+        y = swiglu(rows, p["w_gate"][expert], p["w_up"][expert], p["w_down"][expert])
+        events.record("expert", {"x": rows}, {"y": y}, expert=expert)
         out = out.index_add(0, token, gates[token, slot].unsqueeze(-1) * y)
     frac = torch.bincount(route.flatten(), minlength=e).to(x.dtype) / route.numel()
     aux = e * (frac * probs_of(scores, score).mean(0)).sum()
