@@ -144,6 +144,20 @@ def pytest_configure(config):
     _start_torchrun(config)
 
 
+@pytest.hookimpl(trylast=True)  # after junitxml's pytest_configure has made its writer
+def pytest_sessionstart(session):
+    from .versions import record_in_junit
+
+    record_in_junit(session.config)
+
+
+def pytest_report_header(config):
+    """The library versions under test, and a warning when one is not the thirdparty extra's pin."""
+    from .versions import line, mismatch_warning
+
+    return [f"paritytest: {line()}"] + [w for w in [mismatch_warning()] if w]
+
+
 def _check_implementations() -> None:
     """Every implementation a user registered must import; said once, naming the path."""
     from .registry import unresolved
@@ -481,6 +495,9 @@ def pytest_terminal_summary(terminalreporter):
         return
     tr = terminalreporter
     tr.section("parity summary")
+    from .versions import line
+
+    tr.write_line(f"versions: {line()}")
     tr.write_line(_summary.table())
     tr.write_line("(worst err/tol counts failed cells too; seconds: time spent in the component's cells)")
     for component, reasons in sorted(_summary.skips.items()):

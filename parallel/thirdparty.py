@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 
 from harness.config import Config
+from harness.versions import about, declared
 
 INSTALL = "pip install -e '.[thirdparty]'"
 
@@ -67,7 +68,7 @@ def hf_skip(cfg: Config) -> str | None:
     if op == "sp" and cfg.size("s") % tp:
         # Not a strict xfail: the mismatched all-gather aborts a rank (gloo enforce, SIGABRT), which
         # costs the pool a restart every run; the reason is the precondition DTensor imposes.
-        return (f"transformers' SequenceParallel and ColwiseParallel(input_layouts=Shard(1)) wrap the sequence "
+        return about("transformers", f"SequenceParallel and ColwiseParallel(input_layouts=Shard(1)) wrap the sequence "
                 f"shard with DTensor.from_local without its global shape, which assumes even shards: s={cfg.size('s')} "
                 f"over tp={tp} gives a mismatched all-gather (gloo: 'Received data size doesn't match expected "
                 f"size', the rank aborts)")
@@ -75,7 +76,8 @@ def hf_skip(cfg: Config) -> str | None:
 
 
 def hf_xfail(cfg: Config) -> str | None:
-    """Cells transformers 5.23.0 is known to get wrong, with the upstream behaviour."""
+    """Cells the pinned transformers is known to get wrong, with the upstream behaviour (none now;
+    a reason goes through :func:`harness.versions.declared`, as the others do)."""
     return None
 
 
@@ -86,24 +88,24 @@ def megatron_skip(cfg: Config) -> str | None:
         return reason.replace("megatron ", "megatron-core ")
     op, tp = cfg.switch("op"), cfg.degree("tp")
     if op == "sp":
-        return ("Megatron-Core's sequence-parallel layers allocate their gather and reduce-scatter buffers on "
-                "torch.cuda.current_device() (mappings._gather_along_first_dim, LinearWithGradAccumulation"
+        return about("megatron-core", "its sequence-parallel layers allocate their gather and reduce-scatter "
+                "buffers on torch.cuda.current_device() (mappings._gather_along_first_dim, LinearWithGradAccumulation"
                 "AndAsyncCommunication.backward): CUDA only, not wired for this CPU harness")
     if op in CUDA_ONLY and tp > 1 and not _cuda():
-        return (f"megatron-core raises 'Torch not compiled with CUDA enabled': {CUDA_ONLY[op]} allocates its "
-                "output on torch.cuda.current_device() (mappings._gather_along_last_dim)")
+        return about("megatron-core", f"raises 'Torch not compiled with CUDA enabled': {CUDA_ONLY[op]} allocates "
+                "its output on torch.cuda.current_device() (mappings._gather_along_last_dim)")
     for key in MEGATRON_DIVIDES[op]:
         size = 2 * cfg.size("f") if key == "2f" else cfg.size(key)
         if size % tp:
-            return f"megatron-core refuses it: {size} is not divisible by {tp} ({key} over tp)"
+            return about("megatron-core", f"refuses it: {size} is not divisible by {tp} ({key} over tp)")
     return None
 
 
 def megatron_xfail(cfg: Config) -> str | None:
-    """Cells Megatron-Core 0.16.1 is known to get wrong, with the upstream behaviour."""
+    """Cells the pinned Megatron-Core is known to get wrong, with the upstream behaviour."""
     if cfg.switch("op") == "xent" and cfg.dtype == "fp32":
-        return ("vocab_parallel_cross_entropy overwrites its fp32 logits in place with exp(logits - max) "
-                "(calculate_predicted_logits: 'In-place subtraction reduces memory pressure'; a bf16 input is "
+        return declared("megatron-core", "vocab_parallel_cross_entropy overwrites its fp32 logits in place with "
+                "exp(logits - max) (calculate_predicted_logits: 'In-place subtraction reduces memory pressure'; a bf16 input is "
                 "first copied by .float(), so only fp32 logits are clobbered): the layer's output 'out' reads back "
                 "as unnormalised probabilities after the loss")
     return None
@@ -153,27 +155,27 @@ def hf_moe_skip(cfg: Config) -> str | None:
     if hf_experts(cfg) not in HF_EXPERTS:
         return f"moe_hf runs switch experts one of {sorted(HF_EXPERTS)}, not {hf_experts(cfg)!r}"
     if cfg.switch("cap") != "none":
-        return ("transformers' expert parallelism is dropless: no capacity factor (AllToAllEP sends every "
-                "(token, expert) pair, AllReduceEP runs every route)")
+        return about("transformers", "its expert parallelism is dropless: no capacity factor (AllToAllEP sends "
+                "every (token, expert) pair, AllReduceEP runs every route)")
     if cfg.switch("score") != "softmax":
-        return ("transformers pairs its Switch aux loss (load_balancing_loss_func, which takes the softmax of the "
-                "logits) only with softmax routers; its sigmoid routers (DeepSeek-V3) balance with a bias, no aux loss")
+        return about("transformers", "it pairs its Switch aux loss (load_balancing_loss_func, which takes the "
+                "softmax of the logits) only with softmax routers; its sigmoid routers (DeepSeek-V3) balance with a bias, no aux loss")
     if lay.etp > 1:
-        return ("transformers has no expert tensor parallelism with EP (TransformersDeviceMesh: 'There is no etp "
+        return about("transformers", "no expert tensor parallelism with EP (TransformersDeviceMesh: 'There is no etp "
                 "(expert tensor parallel) axis: with EP on, experts are never tensor-sharded')")
     tp = cfg.degree("tp")
     if lay.ep % tp:
-        return (f"transformers' DistributedConfig refuses it (ep={lay.ep}, tp={tp}): "
+        return about("transformers", f"its DistributedConfig refuses it (ep={lay.ep}, tp={tp}): "
                 "`ep_size` must be a multiple of `tp_size`.")
     if epimpl == "allreduce" and lay.ep != tp:
-        return ("AllReduceEP needs every rank of the expert group to hold the same batch (`ep_size == tp_size`), "
-                f"ep={lay.ep}, tp={tp}")
+        return about("transformers", "AllReduceEP needs every rank of the expert group to hold the same batch "
+                f"(`ep_size == tp_size`), ep={lay.ep}, tp={tp}")
     route = cfg.switch("route")
     starved = route == "skew" or (route == "one" and cfg.size("k") == 1)
     if epimpl == "allreduce" and hf_experts(cfg) == "eager" and lay.ep > 1 and starved:
         # Not a strict xfail: the ranks hang (one in the all-reduce, the others past it), which costs the pool
         # a restart (~10-20 s with transformers' import) every run.
-        return ("transformers 5.23.0 AllReduceEP in training: an ep rank whose experts receive no token returns "
+        return about("transformers", "AllReduceEP in training: an ep rank whose experts receive no token returns "
                 "zeros with no grad_fn (Qwen3MoeExperts' eager forward starts from zeros_like and runs no expert; "
                 "grouped_mm and batched_mm keep the masked rows in the graph), "
                 "so its backward never reaches _AllReduceBackward while the other ranks wait in its all_reduce "
@@ -200,5 +202,6 @@ HF_MOE_KNOWN = {
 
 
 def hf_moe_xfail(cfg: Config) -> str | None:
-    """moe cells transformers 5.23.0 is known to get wrong, with the upstream behaviour."""
-    return HF_MOE_KNOWN.get(cfg.id)
+    """moe cells the pinned transformers is known to get wrong, with the upstream behaviour."""
+    known = HF_MOE_KNOWN.get(cfg.id)
+    return declared("transformers", known) if known else None

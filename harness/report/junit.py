@@ -4,7 +4,8 @@ The plugin records one JSON user property per cell (``harness.plugin.cell_record
 coordinates in the matrix (component, impl, mesh, dtype, switches) and its outcome (status, kind,
 worst err/tol, tensor, norm ratio, golden status, seconds). pytest writes it into the XML as
 ``<property name="parity" value="{json}"/>``; everything the reports show comes from there and from
-the failure and skip messages, so a report can be made from the CI artifact alone.
+the failure and skip messages, so a report can be made from the CI artifact alone. The library
+versions that ran are a testsuite-level property (``harness.versions``), once per run.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..plugin import PROPERTY
+from ..versions import PROPERTY as VERSIONS
+from ..versions import Library, from_json
 
 
 @dataclass
@@ -60,6 +63,7 @@ class TestCase:
 @dataclass
 class Results:
     cases: list[TestCase] = field(default_factory=list)
+    versions: list[Library] = field(default_factory=list)  # of the first file that records them
 
     @property
     def cells(self) -> list[TestCase]:
@@ -89,6 +93,9 @@ def read(paths) -> Results:
     results = Results()
     for path in paths:
         root = ET.parse(Path(path)).getroot()
+        for prop in (p for suite in root.iter("testsuite") for p in suite.findall("properties/property")):
+            if prop.get("name") == VERSIONS and not results.versions:
+                results.versions = from_json(prop.get("value", "[]"))
         for element in root.iter("testcase"):
             outcome, message, text = _outcome(element)
             record = None

@@ -26,6 +26,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..versions import line, mismatch_warning
 from .junit import Results, TestCase, read
 
 MAX_DETAILED = 20  # divergences shown with their full table; the rest are in the table of failures
@@ -204,6 +205,11 @@ def summary(results: Results, golden_diff: str = "", heatmaps: dict[str, Path] |
     else:
         head = f"✅ Parity: all {len(cells) - skipped} cells that ran passed"
     doc.heading(2, head + (f" ({skipped} skipped)" if skipped else ""))
+    if results.versions:
+        warning = mismatch_warning(results.versions)
+        if warning:
+            doc.para("⚠️ **" + warning.removeprefix("WARNING: ") + "**")
+        doc.para(f"**Versions:** {line(results.versions)}")
     if golden_diff.strip():
         doc.para("**Goldens:** " + golden_diff.strip().splitlines()[0].lstrip("# ").strip())
     if cells:
