@@ -140,7 +140,7 @@ def test_the_gates_commands_run_here_write_the_summary_with_the_per_component_ta
                   **{"other-tests": inputs["other-tests"].replace("tests/", "tests/test_layout.py")})
     env, steps = reusable_steps(inputs)
     reports, summary = tmp_path / "reports", tmp_path / "step-summary.md"
-    env = dict(os.environ, **env, REPORTS=str(reports), GITHUB_STEP_SUMMARY=str(summary))
+    env = {**os.environ, **env, "REPORTS": str(reports), "GITHUB_STEP_SUMMARY": str(summary)}
     venv = str(Path(sys.executable).parent) + "/"
     for step in steps:
         if step["name"] != "Install":
@@ -176,7 +176,7 @@ def test_readmes_caller_runs_in_an_outside_project(tmp_path):
     inputs["install"] = inputs["install"].replace(PARITYTEST_URL, str(source))
     env, steps = reusable_steps(inputs)
     summary = tmp_path / "step-summary.md"
-    env = dict(user_env(), **env, GITHUB_STEP_SUMMARY=str(summary))
+    env = {**user_env(), **env, "GITHUB_STEP_SUMMARY": str(summary)}
 
     def git(*args: str):
         subprocess.run(["git", "-c", "user.name=u", "-c", "user.email=u@example.com", *args], cwd=project,

@@ -5,7 +5,8 @@
 
 writes to ``--out``:
 
-* ``summary.md``: the headline, per component passed / failed / skipped, worst err/tol and time,
+* ``summary.md``: the headline, the library versions that ran (a warning first when one is not
+  its pin), per component passed / failed / skipped, worst err/tol and time,
   golden drift, each divergence with its table and its reproduce command, skip reasons grouped;
   appended to ``--step-summary`` (in CI ``$GITHUB_STEP_SUMMARY``), else printed to stdout;
 * ``heatmap-<component>.png``: worst err/tol over mesh x (dtype, switches), failures marked;
