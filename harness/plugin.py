@@ -546,6 +546,6 @@ def pytest_terminal_summary(terminalreporter):
     for nodeid, table in _summary.moved:
         tr.write_line(f"golden updated, what moved: {nodeid}\n{table}")
     if _summary.times:
-        tr.write_line(f"slowest {min(len(_summary.times), _Summary.SLOWEST)} cells (seconds in the cell):")
+        tr.write_line("slowest cells (seconds in the cell: its ranks' run, the reference, comparison, golden):")
         for line in _summary.slowest():
             tr.write_line(line)
