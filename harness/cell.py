@@ -19,13 +19,17 @@ from .registry import Component, validate
 class Divergence(AssertionError):
     """A cell whose numbers differ from the reference or from its golden file."""
 
-    def __init__(self, message: str, report: Report | None = None):
+    def __init__(self, message: str, report: Report | None = None, drift: bool = False):
         super().__init__(message)
         self.report = report
+        self.drift = drift  # against the golden file: the reference agreed, the stored numbers did not
 
     @property
     def kind(self) -> str:
-        """``nan`` when a tensor holds NaN/Inf where the expectation is finite, else ``mismatch``."""
+        """``drift`` when the cell matches the reference but not its golden file; ``nan`` when a
+        tensor holds NaN/Inf where the reference is finite; else ``mismatch``."""
+        if self.drift:
+            return "drift"
         rows = self.report.failing() if self.report else []
         return "nan" if any(r.problem == "nan/inf" for r in rows) else "mismatch"
 
@@ -142,7 +146,7 @@ def check_golden(outcome: CellOutcome, root: Path, *, update: bool = False, miss
             raise Divergence(f"{cfg.id} has drifted from its golden file {path} ({tol}):\n"
                              f"{outcome.golden.table()}\n"
                              f"{'reproduce: ' + rerun if rerun else 'config: ' + cfg.id}\n"
-                             f"if the change is intended: {update_command(rerun)}", outcome.golden)
+                             f"if the change is intended: {update_command(rerun)}", outcome.golden, drift=True)
         outcome.moved = outcome.golden.table(only_failing=False)
     write_golden(path, outcome.result, metadata(cfg, str(tol), backend))
     outcome.golden_status = "updated" if stored is not None else "written"

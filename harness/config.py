@@ -24,6 +24,7 @@ _VALUE = re.compile(r"[a-z0-9]+")
 _MESH_ITEM = re.compile(r"([a-z]+)(\d+)")
 _SIZE_ITEM = re.compile(r"([a-z]+)(\d+)")
 _NO_SWITCHES = "plain"
+ID_SHAPE = "<component>-<impl>-<mesh>-<dtype>-<switches>-<sizes>-seed<N>"  # how a config id reads
 
 
 class ConfigError(ValueError):
@@ -130,8 +131,7 @@ class Config:
         fields = text.strip().split("-")
         if len(fields) != 7:
             raise ConfigError(
-                f"config id {text!r} has {len(fields)} '-'-separated fields, expected 7: "
-                "<component>-<impl>-<mesh>-<dtype>-<switches>-<sizes>-seed<N>"
+                f"config id {text!r} has {len(fields)} '-'-separated fields, expected 7: {ID_SHAPE}"
             )
         component, impl, mesh, dtype, switches, sizes, seed = fields
 

@@ -237,10 +237,49 @@ def _pool(config, size: int | None = None, preload: tuple[str, ...] | None = Non
                        preload=preload)
 
 
+# ---- a -k that selects no cell ----------------------------------------------------------------
+_DESELECTED_CELL = pytest.StashKey[str]()  # the id of a cell some deselection dropped: an example
+_NO_CELL = pytest.StashKey[str]()  # the line that says -k matched no cell
+NO_CELL_KEY = "parity_no_cell"  # the same line, from an xdist worker to the controller
+
+
+def pytest_deselected(items):
+    cfg = next((c for c in map(_cell_config, items) if c is not None), None)
+    if cfg is not None:
+        items[0].config.stash.setdefault(_DESELECTED_CELL, cfg.id)
+
+
+def no_cell_matched(config, items) -> str | None:
+    """One line when ``-k`` left no cell of those collected: the expression, and what an id looks
+    like with a real one. The exit status stays pytest's 5 ("no tests ran"): the command line is
+    valid, and CI scripts that run shards tell an empty selection from a usage error (4) by it."""
+    example = config.stash.get(_DESELECTED_CELL, None)
+    keyword = config.getoption("keyword", "")
+    if not keyword or example is None or any(_cell_config(item) is not None for item in items):
+        return None
+    from .config import ID_SHAPE
+
+    return (f"no cell matched -k {shlex.quote(keyword)}; an id looks like {ID_SHAPE}, e.g. {example} "
+            "(-k matches pieces of it: -k 'tp2 and bf16')")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist's controller: a worker's -k line (the workers collect, the controller prints)."""
+    line = getattr(node, "workeroutput", {}).get(NO_CELL_KEY)
+    if line:
+        node.config.stash[_NO_CELL] = line
+
+
 def pytest_collection_finish(session):
     """Start the pool as soon as the selection is known, sized to it: its ranks import torch while
     this process pays its own lazy imports."""
     _check_implementations()  # registrations made by conftests collected late
+    line = no_cell_matched(session.config, session.items)
+    if line:
+        session.config.stash[_NO_CELL] = line
+        if hasattr(session.config, "workeroutput"):  # an xdist worker
+            session.config.workeroutput[NO_CELL_KEY] = line
     runner = _runner(session.config)
     if runner is not None:  # no pool: check every rank collected the same, then resume a restarted job
         from .torchrun.session import CollectionMismatch
@@ -372,10 +411,10 @@ def parity(request, rank_pool, pytestconfig):
             record["kind"] = error.kind
             record.update(_worst(error.report))
             return str(error), None
-        except CaseFailure as error:
-            record["kind"] = error.kind
-            return str(error), None
-        except (AssemblyError, GoldenError, PoolError) as error:
+        except (CaseFailure, AssemblyError) as error:  # a hang or crash reruns the same way a mismatch does
+            record["kind"] = getattr(error, "kind", type(error).__name__)
+            return f"{error}\nreproduce: {rerun_command(pytestconfig, request.node.nodeid)}", None
+        except (GoldenError, PoolError) as error:
             record["kind"] = type(error).__name__
             return str(error), None
         finally:
@@ -413,15 +452,20 @@ def parity(request, rank_pool, pytestconfig):
 
 
 class _Summary:
-    """Per component: outcomes, worst err/tol (failed cells included), goldens, time, skip reasons."""
+    """Per component: outcomes, worst err/tol (failed cells included), goldens, time, skip reasons;
+    and the slowest cells."""
+
+    SLOWEST = 5  # cells listed by time at the end of a run, as --durations=5 would
 
     def __init__(self):
+        # the golden columns are the Markdown report's (harness.report.markdown.COMPONENT_HEADERS)
         self.rows = defaultdict(lambda: {"passed": 0, "failed": 0, "skipped": 0, "xfailed": 0, "worst err/tol": 0.0,
-                                         "failed as": Counter(), "golden identical": 0, "golden written": 0,
-                                         "seconds": 0.0})
+                                         "failed as": Counter(), "golden identical": 0, "golden within tol": 0,
+                                         "golden written": 0, "seconds": 0.0})
         self.skips: dict[str, Counter] = defaultdict(Counter)
         self.moved: list[tuple[str, str]] = []
         self.written: list[str] = []
+        self.times: list[tuple[float, str]] = []  # (seconds the plugin recorded, node id) of cells that ran
 
     def add(self, report):
         prop = dict(report.user_properties).get(PROPERTY)
@@ -444,7 +488,9 @@ class _Summary:
             row["failed as"][record["kind"] or "error"] += 1
         row["worst err/tol"] = max(row["worst err/tol"], record["ratio"])
         row["golden identical"] += record["golden"] == "identical"
+        row["golden within tol"] += record["golden"] == "within tolerance"
         row["golden written"] += record["golden"] in ("written", "updated")
+        self.times.append((record["seconds"], report.nodeid))
         if record["golden"] == "written":
             self.written.append(report.nodeid)
         if record["moved"]:
@@ -458,6 +504,10 @@ class _Summary:
         frame = pd.DataFrame.from_dict(rows, orient="index")
         frame.index.name = "component"
         return frame.to_string(float_format=lambda v: f"{v:.3g}")
+
+    def slowest(self) -> list[str]:
+        """The slowest cells that ran, one line each, slowest first."""
+        return [f"{seconds:8.2f}s  {nodeid}" for seconds, nodeid in sorted(self.times, reverse=True)[:self.SLOWEST]]
 
 
 _summary = _Summary()
@@ -491,9 +541,11 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter):
+    tr = terminalreporter
+    if _NO_CELL in tr.config.stash:
+        tr.write_line(tr.config.stash[_NO_CELL], yellow=True, bold=True)
     if not _summary.rows:
         return
-    tr = terminalreporter
     tr.section("parity summary")
     from .versions import line
 
@@ -510,3 +562,7 @@ def pytest_terminal_summary(terminalreporter):
                       "review and commit them (golden/)")
     for nodeid, table in _summary.moved:
         tr.write_line(f"golden updated, what moved: {nodeid}\n{table}")
+    if _summary.times:
+        tr.write_line("slowest cells (seconds in the cell: its ranks' run, the reference, comparison, golden):")
+        for line in _summary.slowest():
+            tr.write_line(line)

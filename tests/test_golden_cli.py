@@ -1,6 +1,7 @@
 """python -m harness.golden diff / check, in temporary git clones and projects."""
 import math
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -148,11 +149,26 @@ def test_check_lists_orphans_gaps_and_unreadable_goldens_and_fails_on_them(tmp_p
     done = golden_cli(tmp_path, "check", env=env)
     assert done.returncode == 1
     lines = done.stdout.splitlines()
-    assert lines[0] == "3 golden files, 4 collected cells: 1 unreadable, 1 orphans, 2 gaps, 0 collection errors"
-    assert f"unreadable: golden/tp/{corrupt.name}: golden file" in done.stdout
+    # the corrupt file is one problem (unreadable), not also a gap of its cell
+    assert lines[0] == "3 golden files, 4 collected cells: 1 unreadable, 1 orphans, 1 gaps, 0 collection errors"
+    python = shlex.quote(sys.executable)
+    (unreadable,) = [line for line in lines if line.startswith("unreadable: ")]
+    assert unreadable.startswith(f"unreadable: golden/tp/{corrupt.name}: golden file")
+    # whole, up to the command that recreates it
+    assert unreadable.endswith(f"{python} -m pytest 'test_cells.py::test_tp[{corrupt.name[:-12]}]' --update-golden")
     assert f"orphan: golden/tp/{orphan.name}: no collected cell has this id" in done.stdout
-    gaps = sorted(line for line in lines if line.startswith("gap: "))
-    assert [g.split("[")[1].split("]")[0] for g in gaps] == sorted([corrupt.name[:-12], gap.name[:-12]])
+    (only,) = [line for line in lines if line.startswith("gap: ")]
+    assert only.split("[")[1].split("]")[0] == gap.name[:-12]
+    # --update-golden writes only for a cell that matches the reference: said, not promised
+    assert "if it matches the reference" in only and only.endswith(" --update-golden")
+    assert "(a cell that diverges from the reference (or hangs, or crashes) writes no golden file" in done.stdout
+
+
+def test_diff_outside_a_git_repository_is_one_line_naming_the_fix(tmp_path):
+    done = golden_cli(tmp_path, "diff")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (f"golden diff: {tmp_path} is not in a git repository, and diff compares golden files with a "
+                           "git revision: run it from inside the checkout whose golden/ you changed\n")
 
 
 def test_check_passes_on_this_repository():

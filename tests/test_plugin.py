@@ -1,7 +1,9 @@
 """The pytest plugin end to end, in real pytest subprocesses."""
 import fnmatch
 import os
+import re
 import shlex
+import subprocess
 import sys
 import types
 
@@ -10,6 +12,10 @@ import torch
 
 from harness.matrix import cells
 from harness.plugin import quick_selection, rerun_command
+from harness.report.junit import read
+from reference.tp import SIZES
+
+from .checkout import copy_checkout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -174,6 +180,8 @@ register_implementation("tp", "hang", "hang:run")
         "*case tp-hang-tp2-fp32-* passed its deadline of 3.0 s: ranks ?0, 1? still running",
         "*rank 0: hung: in all_reduce* at parallel/collectives.py:* in _all_reduce",
         "*rank 1: hung: at hang.py:* in run",
+        # the same line a mismatch has, after every rank's stack
+        f"reproduce: {shlex.quote(sys.executable)} -m pytest 'test_cells.py::test_tp?tp-hang-tp2-fp32-op_mlp-*?'",
     ])
 
 
@@ -190,3 +198,79 @@ def test_quick_covers_every_component_impl_dtype_and_switch_on_the_smallest_mult
     assert {c.dtype for c in ours} == {"fp32", "bf16"} and {c.switch("op") for c in ours} == {"mlp", "sp", "xent"}
     assert len(ours) < 6  # each value at least once, not the product of dtypes and ops
     assert {c.mesh for c in kept if c.component == "ringattn"} == {(("cp", 1),)}  # the only world there is
+
+
+def scale_golden(path, factor: float) -> None:
+    """Multiply the ``out`` tensor of a golden file by ``factor``, its metadata kept: a change the
+    harness did not make."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    tensors = load_file(path)
+    tensors["out"] = (tensors["out"].double() * factor).to(tensors["out"].dtype)
+    save_file(tensors, path, metadata=meta)
+
+
+def test_the_summary_counts_goldens_within_tolerance_calls_drift_drift_and_lists_the_slowest_cells(project):
+    run(project).assert_outcomes(passed=4)
+    golden = project.path / "golden" / "tp"
+    (near,) = golden.glob("*-tp2-fp32-*")
+    (far,) = golden.glob("*-tp1-fp32-*")
+    scale_golden(near, 1 + 1e-7)  # within the fp32 tolerance, not bit-identical
+    scale_golden(far, 1.01)  # beyond it: drift, while the reference still agrees with the cell
+    result = run(project, "-k", "fp32", "--junitxml", "junit.xml")
+    result.assert_outcomes(failed=1, passed=1, deselected=2)
+    result.stdout.fnmatch_lines([f"{far.stem} has drifted from its golden file*"])
+    lines = result.stdout.str().split("parity summary")[1].splitlines()
+    header = " ".join(next(line for line in lines if "passed" in line).split())
+    assert "failed as golden identical golden within tol golden written seconds" in header  # the report's columns
+    row = next(line for line in lines if line.startswith("tp ")).split()
+    assert row[1:5] == ["1", "1", "0", "0"] and row[6:11] == ["drift", "1", "0", "1", "0"], row
+
+    records = {c.cell: c.record for c in read([project.path / "junit.xml"]).cells}
+    assert records[far.stem]["kind"] == "drift" and records[near.stem]["golden"] == "within tolerance"
+    report = subprocess.run([sys.executable, "-m", "harness.report", "--junit", "junit.xml", "--out", "reports"],
+                            cwd=project.path, capture_output=True, text=True)
+    assert report.returncode == 0, report.stderr
+    assert re.search(rf"^\| `{re.escape(far.stem)}` \| drift \|", report.stdout, re.M), report.stdout
+    assert re.search(r"^\| `tp` \| 1 \| 1 \| 0 \| [^|]+ \| drift 1 \| 0 \| 1 \| 0 \|", report.stdout, re.M)
+
+    # the slowest cells, as --durations lists them: the seconds the junit records hold, slowest first
+    slowest = lines[next(i for i, line in enumerate(lines) if line.startswith("slowest cells")) + 1:][:2]
+    listed = [(float(line.split()[0].rstrip("s")), line.split()[1]) for line in slowest]
+    expected = sorted(((round(r["seconds"], 2), f"test_cells.py::test_tp[{cell}]") for cell, r in records.items()),
+                      reverse=True)
+    assert listed == expected
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "xdist"])
+def test_a_k_that_matches_no_cell_says_so_with_the_shape_of_a_real_id(project, workers):
+    result = run(project, "-k", "tp8 and fp32", *workers)
+    # pytest's status for an empty selection, kept: CI scripts tell it from a usage error (4) by it
+    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+    (line,) = [line for line in result.stdout.lines if "no cell matched" in line]
+    assert line.startswith("no cell matched -k 'tp8 and fp32'; an id looks like "
+                           "<component>-<impl>-<mesh>-<dtype>-<switches>-<sizes>-seed<N>, e.g. "), line
+    example = line.split("e.g. ")[1].split()[0]
+    assert example in {cfg.id for cfg in cells("tp", impls=["ours"], meshes=["tp=1", "tp=2"], dtypes=["fp32", "bf16"],
+                                               sizes=SIZES, switches={"op": ["mlp"]})}
+
+
+@pytest.mark.parametrize("installed", [True, False], ids=["installed", "not installed"])
+def test_the_checkout_runs_its_cells_with_the_plugin_installed_or_not(tmp_path, installed):
+    """The root conftest.py loads the plugin when no entry point did, and only then."""
+    checkout = copy_checkout(tmp_path / "checkout")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    cell = "cases/test_tp.py::test_tp[tp-ours-tp2-fp32-op_mlp-b4.f32.h16.s8.v40-seed0]"
+    args = [cell, cell.replace("tp2-fp32", "tp2-bf16")]
+    if installed:  # as README's command runs it: through the entry point, under xdist
+        args += ["-n", "2"]
+    else:  # no entry point loads it, as in an environment where the checkout is not installed
+        env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pool-size", "2", *args],
+                          cwd=checkout, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2 passed" in done.stdout and "parity summary" in done.stdout
+    assert len(list((checkout / "golden" / "tp").glob("*.safetensors"))) == 2  # the checkout's own plugin wrote them

@@ -16,11 +16,12 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from ..config import Config, ConfigError
-from .store import GoldenError, golden_path, read_golden
+from .store import GoldenError, golden_path, read_golden, update_command
 
 SUFFIX = ".safetensors"
 
@@ -30,14 +31,24 @@ class GitError(Exception):
 
 
 def _git(root: Path, *args: str) -> bytes:
-    done = subprocess.run(["git", "-C", str(root), *args], capture_output=True)
+    try:
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True)
+    except FileNotFoundError:
+        raise GitError("git is not installed (diff compares golden files with a git revision): install git") from None
     if done.returncode:
         raise GitError(f"git {' '.join(args)}: {done.stderr.decode().strip()}")
     return done.stdout
 
 
 def repo_root(start: Path) -> Path:
-    return Path(_git(start, "rev-parse", "--show-toplevel").decode().strip())
+    """The root of the git repository that holds ``start``; outside one, a one-line error naming the fix."""
+    try:
+        return Path(_git(start, "rev-parse", "--show-toplevel").decode().strip())
+    except GitError as error:
+        if "not a git repository" not in str(error):
+            raise
+        raise GitError(f"{start} is not in a git repository, and diff compares golden files with a git revision: "
+                       "run it from inside the checkout whose golden/ you changed") from None
 
 
 def merge_base(root: Path) -> str:
@@ -244,6 +255,7 @@ def check(root: Path, golden_dir: Path, paths: list[str]) -> CheckResult:
     on_disk = set()
     for path in files:
         stem = path.name[: -len(SUFFIX)]
+        nodeid = collected.cells.get(stem, (None, None))[1]
         rel = str(path.relative_to(root.resolve())) if path.is_relative_to(root.resolve()) else str(path)
         result.checked += 1
         try:
@@ -254,12 +266,12 @@ def check(root: Path, golden_dir: Path, paths: list[str]) -> CheckResult:
         if path != golden_path(golden_dir, cfg):
             result.orphans.append(f"{rel}: belongs under {golden_path(golden_dir, cfg).relative_to(golden_dir)}")
             continue
+        on_disk.add(stem)  # an unreadable file is one problem, not also a gap
         try:
-            read_golden(path, cfg)
-        except GoldenError as error:
-            result.unreadable.append(f"{rel}: {str(error).splitlines()[0]}")
+            read_golden(path, cfg, _command(root, nodeid) if nodeid else "")
+        except GoldenError as error:  # its message ends with the command that recreates it: kept, on one line
+            result.unreadable.append(f"{rel}: " + " ".join(line.strip() for line in str(error).splitlines()))
             continue
-        on_disk.add(stem)
         if stem not in collected.cells:
             result.orphans.append(f"{rel}: no collected cell has this id (delete it, or restore its cell)")
     for cell_id, (cfg, nodeid) in sorted(collected.cells.items()):
@@ -277,8 +289,20 @@ def check(root: Path, golden_dir: Path, paths: list[str]) -> CheckResult:
         if reason:
             result.skipped_without.append(f"{cell_id}: skipped here ({reason})")
         else:
-            result.gaps.append(f"{nodeid}: no golden file; create it with: python -m pytest '{nodeid}' --update-golden")
+            result.gaps.append(f"{nodeid}: no golden file; run the cell, which writes it if it matches the "
+                               f"reference: {update_command(_command(root, nodeid))}")
     return result
+
+
+def _command(root: Path, nodeid: str) -> str:
+    """The command that reruns a cell, as a failing cell's ``reproduce:`` line says it."""
+    from ..plugin import rerun_command
+
+    return rerun_command(SimpleNamespace(rootpath=root), nodeid)
+
+
+GAP_NOTE = ("a cell that diverges from the reference (or hangs, or crashes) writes no golden file, with "
+            "--update-golden or without: run it, and fix what its failure shows first")
 
 
 def check_text(result: CheckResult) -> str:
@@ -288,6 +312,8 @@ def check_text(result: CheckResult) -> str:
     for title, items in (("collection error", result.collection_errors), ("unreadable", result.unreadable),
                          ("orphan", result.orphans), ("gap", result.gaps)):
         lines += [f"{title}: {item}" for item in items]
+    if result.gaps:
+        lines.append(f"({GAP_NOTE})")
     if result.skipped_without:
         lines.append(f"{len(result.skipped_without)} cells skipped on this machine have no golden file "
                      "(not a gap: they cannot run here)")
