@@ -564,5 +564,5 @@ def pytest_terminal_summary(terminalreporter):
         tr.write_line(f"golden updated, what moved: {nodeid}\n{table}")
     if _summary.times:
         tr.write_line("slowest cells (seconds in the cell: its ranks' run, the reference, comparison, golden):")
-        for line in _summary.slowest():
-            tr.write_line(line)
+        for row in _summary.slowest():
+            tr.write_line(row)
