@@ -21,12 +21,12 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from . import pooldir
 from .backend import resolve as resolve_backend
 
 DEFAULT_SIZE = 8
@@ -143,6 +143,7 @@ class Pool:
         self._port: int | None = None
         self._ready = False
         self._tmp: str | None = None
+        self._hold: int | None = None  # this process's hold on _tmp (see pooldir)
         self._task = 0
         self._built: set[tuple] = set()
         self.starts = 0  # how many times a pool was started (tests check restarts)
@@ -163,7 +164,8 @@ class Pool:
         if self._proc is not None and self._proc.poll() is None:
             return
         self.kill()
-        self._tmp = tempfile.mkdtemp(prefix="harness-pool-")
+        pooldir.sweep()  # what pools killed together with their zygotes and ranks left behind
+        self._tmp, self._hold = pooldir.create()
         pairs = [socket.socketpair() for _ in range(self.size)]
         child_fds = [child.fileno() for _, child in pairs]
         for fd in child_fds:
@@ -233,8 +235,11 @@ class Pool:
             conn.close()
         self._conns, self._pids, self._ready = [], {}, False
         if self._tmp:
-            shutil.rmtree(self._tmp, ignore_errors=True)
+            pooldir.remove(self._tmp)
             self._tmp = None
+        if self._hold is not None:
+            os.close(self._hold)
+            self._hold = None
 
     def close(self) -> None:
         """Stop the pool. Ranks hold nothing worth flushing, so they are killed outright: a polite
