@@ -10,6 +10,7 @@ pool with stuck or dead ranks is killed and the next task starts a fresh one.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import math
 import os
@@ -33,6 +34,9 @@ DEFAULT_SIZE = 8
 DEFAULT_DEADLINE = 30.0
 # How long the other ranks get to finish once one rank has raised or died: past it they are stuck.
 FAILURE_GRACE = 2.0
+# How long the zygote gets to end its pool itself (kill and reap its ranks, remove the directory)
+# before its whole process group is killed: it takes milliseconds unless the zygote is stuck.
+STOP_GRACE = 10.0
 PRELOAD = ("harness.context", "harness.layout", "harness.config", "harness.pool.tasks")
 
 
@@ -221,12 +225,17 @@ class Pool:
         raise PoolError(f"pool of {self.size} ranks failed to start: {why}\n{zygote}{logs}")
 
     def kill(self) -> None:
-        """Kill the zygote and every rank at once (they share a process group), and clean up."""
+        """Kill the zygote and every rank, and clean up. The zygote does it on SIGTERM (see
+        ``leave`` in :mod:`.rank`), so the directory goes even if this process dies meanwhile."""
         if self._proc is not None:
             try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
+                os.kill(self._proc.pid, signal.SIGTERM)
+                self._proc.wait(timeout=STOP_GRACE)
+            except ProcessLookupError:
                 pass
+            except subprocess.TimeoutExpired:  # stuck outside Python: the whole group at once
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self._proc.pid, signal.SIGKILL)
             self._proc.wait()
             if self._proc.stdout:
                 self._proc.stdout.close()
@@ -243,7 +252,8 @@ class Pool:
 
     def close(self) -> None:
         """Stop the pool. Ranks hold nothing worth flushing, so they are killed outright: a polite
-        stop only made every pytest process wait for the zygote's interpreter to shut down."""
+        stop only made every pytest process wait for the zygote's interpreter to shut down (the
+        zygote skips its own shutdown too)."""
         self.kill()
 
     # ---- running a task ----------------------------------------------------------------

@@ -5,9 +5,10 @@ Every process of a pool holds a shared ``flock`` on the directory's lock file wh
 parent through its own descriptor, the zygote through another that its ranks inherit when they are
 forked. The kernel drops a dead process's hold, SIGKILL included, so a lock that can be taken
 exclusively means that no process of that pool is alive, whatever its pid became (pid reuse) and in
-whatever pid namespace it ran. Whoever ends the pool removes the directory: the parent when it kills
-its pool, else the zygote when it finds itself orphaned (after its ranks are dead). When everything
-was killed at once nobody is left to do it, so a new pool sweeps its temporary directory first:
+whatever pid namespace it ran. The zygote removes the directory when it ends its pool, told by its
+parent or on the parent's death, after it has killed and reaped its ranks: the last one out, so
+nothing is written there meanwhile, whenever and however the parent died. When everything was
+killed at once nobody is left to do it, so a new pool sweeps its temporary directory first:
 :func:`sweep` removes the pool directories that nobody holds, never one a live process holds.
 """
 from __future__ import annotations

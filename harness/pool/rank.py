@@ -51,14 +51,15 @@ def zygote_main() -> None:
     spec = json.loads(sys.argv[1])
     pooldir.hold(spec["tmp"])  # held until this process and every rank it forks are gone
     live: dict[int, int] = {}  # pid -> rank, of the ranks not yet reaped
-    forking = {"now": False, "orphaned": False}
+    forking = {"now": False, "leave": False}
     leaving = threading.Lock()
 
-    def orphaned(*_) -> None:
-        """The parent died without cleaning up. The last process of the pool out removes its
-        directory: kill and reap the ranks first, so that none still writes there meanwhile."""
+    def leave(*_) -> None:
+        """End the pool, on SIGTERM (the parent's kill, or its death) or when the parent is found
+        gone. The last process of the pool out removes its directory, whatever became of the
+        parent meanwhile: the ranks are killed and reaped first, so that none still writes there."""
         if forking["now"]:  # a rank forked but not yet in ``live`` would be missed: after the forks
-            forking["orphaned"] = True
+            forking["leave"] = True
             return
         if not leaving.acquire(blocking=False):
             return  # already on the way out (the signal and the status pipe can both say so)
@@ -76,10 +77,10 @@ def zygote_main() -> None:
             sys.stdout.write(json.dumps(record) + "\n")
             sys.stdout.flush()
         except OSError:  # nobody reads the status pipe any more: the parent is gone
-            orphaned()
+            leave()
 
-    signal.signal(signal.SIGTERM, orphaned)
-    die_with_parent(spec["parent"], signal.SIGTERM, orphaned)
+    signal.signal(signal.SIGTERM, leave)
+    die_with_parent(spec["parent"], signal.SIGTERM, leave)
     import torch  # noqa: F401  the expensive import, paid once for all ranks
     import torch.distributed  # noqa: F401
     from torch.distributed.device_mesh import DeviceMesh  # noqa: F401  preloaded for every rank
@@ -107,8 +108,8 @@ def zygote_main() -> None:
         pids[rank] = pid
         live[pid] = rank
     forking["now"] = False
-    if forking["orphaned"]:
-        orphaned()
+    if forking["leave"]:
+        leave()
     for fd in spec["fds"]:
         os.close(fd)
     # The rendezvous store lives here, created after the forks (no server thread is ever forked),
@@ -183,7 +184,7 @@ def build_meshes(meshes: dict, wanted, backend: str) -> None:
 
 
 def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
-    # the zygote's orphan handler is not the rank's: a SIGTERM ends a rank, and only the rank
+    # the zygote's handler is not the rank's: a SIGTERM ends a rank, and only the rank
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     log = os.open(os.path.join(spec["tmp"], f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 1)
