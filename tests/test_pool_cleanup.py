@@ -224,3 +224,31 @@ def test_a_new_pool_removes_what_a_pool_killed_all_at_once_left_and_keeps_a_live
             p.kill()
             p.wait()
         reap(tmp_path)
+
+
+WRITING_POOL = """
+import json
+from harness.pool.parent import Pool
+pool = Pool(size=2, deadline=600)
+pool.start()
+print(json.dumps([pool.pids, pool._tmp]), flush=True)
+pool.run("tests.faults:write_files_forever", None, (("tp", 2),))
+"""
+
+
+def test_parent_killed_while_ranks_write_in_the_pool_directory(tmp_path):
+    """The parent SIGKILLed while its ranks write in the task's scratch (as a checkpoint save does):
+    the directory must go with the pool, not race with the ranks still writing there."""
+    with busy_cores():
+        parent = _python(WRITING_POOL, tmp_path, stdout=subprocess.PIPE)
+        try:
+            pids, pool_dir = json.loads(parent.stdout.readline())
+            assert wait_until(lambda: not list(Path(pool_dir).glob("task*/rank1-*")), 120) is False
+            parent.kill()
+            parent.wait()
+            assert wait_until(lambda: run_processes(tmp_path), 60) == []
+            assert wait_until(lambda: sorted(tmp_path.glob(DIR)), 30) == []
+        finally:
+            parent.kill()
+            parent.wait()
+            reap(tmp_path)
