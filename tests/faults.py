@@ -59,3 +59,13 @@ class OnlyOnRanks:
 
 def unpicklable_result(ctx, payload):
     return OnlyOnRanks()
+
+
+def write_files_forever(ctx, payload):
+    """Create files in the task's scratch directory without end, as a checkpoint save writes there:
+    whoever removes the pool's directory meanwhile races with it."""
+    i = 0
+    while True:
+        with open(os.path.join(ctx.scratch, f"rank{ctx.rank}-{i}"), "w") as f:
+            f.write("x")
+        i += 1

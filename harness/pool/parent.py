@@ -10,6 +10,7 @@ pool with stuck or dead ranks is killed and the next task starts a fresh one.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import math
 import os
@@ -21,18 +22,22 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from . import pooldir
 from .backend import resolve as resolve_backend
 
 DEFAULT_SIZE = 8
 DEFAULT_DEADLINE = 30.0
 # How long the other ranks get to finish once one rank has raised or died: past it they are stuck.
 FAILURE_GRACE = 2.0
+# How long the zygote gets to end its pool itself (kill and reap its ranks, remove the directory)
+# before its whole process group is killed: well under a second (8 ranks, loaded 2-core machine)
+# unless the zygote is stuck outside Python.
+STOP_GRACE = 10.0
 PRELOAD = ("harness.context", "harness.layout", "harness.config", "harness.pool.tasks")
 
 
@@ -143,6 +148,7 @@ class Pool:
         self._port: int | None = None
         self._ready = False
         self._tmp: str | None = None
+        self._hold: int | None = None  # this process's hold on _tmp (see pooldir)
         self._task = 0
         self._built: set[tuple] = set()
         self.starts = 0  # how many times a pool was started (tests check restarts)
@@ -163,7 +169,8 @@ class Pool:
         if self._proc is not None and self._proc.poll() is None:
             return
         self.kill()
-        self._tmp = tempfile.mkdtemp(prefix="harness-pool-")
+        pooldir.sweep()  # what pools killed together with their zygotes and ranks left behind
+        self._tmp, self._hold = pooldir.create()
         pairs = [socket.socketpair() for _ in range(self.size)]
         child_fds = [child.fileno() for _, child in pairs]
         for fd in child_fds:
@@ -219,12 +226,17 @@ class Pool:
         raise PoolError(f"pool of {self.size} ranks failed to start: {why}\n{zygote}{logs}")
 
     def kill(self) -> None:
-        """Kill the zygote and every rank at once (they share a process group), and clean up."""
+        """Kill the zygote and every rank, and clean up. The zygote does it on SIGTERM (see
+        ``leave`` in :mod:`.rank`), so the directory goes even if this process dies meanwhile."""
         if self._proc is not None:
             try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
+                os.kill(self._proc.pid, signal.SIGTERM)
+                self._proc.wait(timeout=STOP_GRACE)
+            except ProcessLookupError:
                 pass
+            except subprocess.TimeoutExpired:  # stuck outside Python: the whole group at once
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self._proc.pid, signal.SIGKILL)
             self._proc.wait()
             if self._proc.stdout:
                 self._proc.stdout.close()
@@ -233,12 +245,16 @@ class Pool:
             conn.close()
         self._conns, self._pids, self._ready = [], {}, False
         if self._tmp:
-            shutil.rmtree(self._tmp, ignore_errors=True)
+            pooldir.remove(self._tmp)
             self._tmp = None
+        if self._hold is not None:
+            os.close(self._hold)
+            self._hold = None
 
     def close(self) -> None:
         """Stop the pool. Ranks hold nothing worth flushing, so they are killed outright: a polite
-        stop only made every pytest process wait for the zygote's interpreter to shut down."""
+        stop only made every pytest process wait for the zygote's interpreter to shut down (the
+        zygote skips its own shutdown too)."""
         self.kill()
 
     # ---- running a task ----------------------------------------------------------------

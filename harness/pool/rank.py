@@ -6,6 +6,7 @@ the whole pool and serves tasks from its socket until told to stop or until its 
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import importlib
@@ -13,7 +14,6 @@ import json
 import os
 import pickle
 import random
-import shutil
 import signal
 import sys
 import threading
@@ -21,34 +21,66 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
+from . import pooldir
+
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
-    """Receive ``sig`` when ``parent`` exits, even by SIGKILL: no orphaned ranks."""
+def die_with_parent(parent: int, sig: int = signal.SIGKILL, orphaned=None) -> None:
+    """Receive ``sig`` when ``parent`` exits, even by SIGKILL: no orphaned ranks. ``orphaned``: what
+    to call instead when the parent is found gone another way (before prctl took effect, or by the
+    polling fallback off Linux); by default the process exits."""
+    orphaned = orphaned or (lambda: os._exit(1))
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
+        orphaned()
     if not sys.platform.startswith("linux"):  # portable fallback: poll for re-parenting
 
         def watch() -> None:
             while os.getppid() == parent:
                 time.sleep(0.5)
-            os._exit(1)
+            while True:  # orphaned() may put itself off (the zygote while it forks)
+                orphaned()
+                time.sleep(0.5)
 
         threading.Thread(target=watch, name="harness-parent-watch", daemon=True).start()
 
 
 def zygote_main() -> None:
     spec = json.loads(sys.argv[1])
+    pooldir.hold(spec["tmp"])  # held until this process and every rank it forks are gone
+    live: dict[int, int] = {}  # pid -> rank, of the ranks not yet reaped
+    forking = {"now": False, "leave": False}
+    leaving = threading.Lock()
 
-    def orphaned(*_) -> None:  # the parent died without cleaning up: remove what it left, then go
-        shutil.rmtree(spec["tmp"], ignore_errors=True)
-        os._exit(1)  # the ranks follow: their death signal is tied to this process
+    def leave(*_) -> None:
+        """End the pool, on SIGTERM (the parent's kill, or its death) or when the parent is found
+        gone. The last process of the pool out removes its directory, whatever became of the
+        parent meanwhile: the ranks are killed and reaped first, so that none still writes there."""
+        if forking["now"]:  # a rank forked but not yet in ``live`` would be missed: after the forks
+            forking["leave"] = True
+            return
+        if not leaving.acquire(blocking=False):
+            return  # already on the way out (the signal and the status pipe can both say so)
+        for pid in list(live):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in list(live):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        pooldir.remove(spec["tmp"])
+        os._exit(1)
 
-    signal.signal(signal.SIGTERM, orphaned)
-    die_with_parent(spec["parent"], signal.SIGTERM)
+    def report(record: dict) -> None:
+        try:
+            sys.stdout.write(json.dumps(record) + "\n")
+            sys.stdout.flush()
+        except OSError:  # nobody reads the status pipe any more: the parent is gone
+            leave()
+
+    signal.signal(signal.SIGTERM, leave)
+    die_with_parent(spec["parent"], signal.SIGTERM, leave)
     import torch  # noqa: F401  the expensive import, paid once for all ranks
     import torch.distributed  # noqa: F401
     from torch.distributed.device_mesh import DeviceMesh  # noqa: F401  preloaded for every rank
@@ -62,6 +94,7 @@ def zygote_main() -> None:
     warm_up()
     me = os.getpid()
     pids: dict[int, int] = {}
+    forking["now"] = True
     for rank, fd in enumerate(spec["fds"]):
         pid = os.fork()
         if pid == 0:
@@ -73,21 +106,21 @@ def zygote_main() -> None:
             finally:
                 os._exit(0)
         pids[rank] = pid
+        live[pid] = rank
+    forking["now"] = False
+    if forking["leave"]:
+        leave()
     for fd in spec["fds"]:
         os.close(fd)
     # The rendezvous store lives here, created after the forks (no server thread is ever forked),
     # on a port the OS picks, so parallel pools never collide. The parent relays the port.
     store = torch.distributed.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    status = sys.stdout
-    status.write(json.dumps({"pids": pids, "port": store.port}) + "\n")
-    status.flush()
-    ranks = {pid: rank for rank, pid in pids.items()}
-    while ranks:
+    report({"pids": pids, "port": store.port})
+    while live:
         pid, raw = os.wait()
-        rank = ranks.pop(pid, None)
+        rank = live.pop(pid, None)
         if rank is not None:
-            status.write(json.dumps({"exit": rank, "code": os.waitstatus_to_exitcode(raw)}) + "\n")
-            status.flush()
+            report({"exit": rank, "code": os.waitstatus_to_exitcode(raw)})
 
 
 def warm_up() -> None:
@@ -151,6 +184,8 @@ def build_meshes(meshes: dict, wanted, backend: str) -> None:
 
 
 def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
+    # the zygote's handler is not the rank's: a SIGTERM ends a rank, and only the rank
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     log = os.open(os.path.join(spec["tmp"], f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 1)
     os.dup2(log, 2)
