@@ -19,7 +19,8 @@ from .shrink import Budget, Search
 EPILOG = """exit codes:
   0    no divergence (check: the cell matches)
   1    divergence found (check: the cell diverges); the minimal config is in result.json
-  2    usage error: a config id that does not parse, an unknown component, a bad option
+  2    usage error: a config id that does not parse, a component or implementation not registered
+       where pytest looks from here, a directory pytest cannot collect, a bad option
   3    nondeterministic: two runs of the same cell disagree, so bisecting it would mislead
   4    budget exhausted (--max-trials, --max-seconds); the best config so far is reported
   125  check: the cell cannot run here (its rules, its implementation's skip, the pool size)
