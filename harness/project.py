@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,13 @@ class _Seen:
         self.cells: list[Config] = []
         self.failures: list[str] = []
         self.sys_path: list[str] = []
+        self.new_cache: Path | None = None  # pytest's cache directory, when this run would create it
+
+    def pytest_configure(self, config):
+        # a failed collection is written to pytest's cache: a directory that a look must not leave behind
+        with contextlib.suppress(ValueError):  # no cache_dir option: the cacheprovider plugin is off
+            cache = Path(config.rootpath, config.getini("cache_dir"))
+            self.new_cache = None if cache.exists() else cache
 
     def pytest_collectreport(self, report):
         if report.failed:
@@ -133,6 +141,8 @@ def load(directory: str | os.PathLike = ".", args: Sequence[str] = ()) -> Projec
     with _cwd(directory):
         code = pytest.main(["--collect-only", "-p", "no:terminal", *args], plugins=[seen])
     sys.path[:0] = [p for p in dict.fromkeys(seen.sys_path) if p not in sys.path]
+    if seen.new_cache is not None:
+        shutil.rmtree(seen.new_cache, ignore_errors=True)
     if seen.config is None or code not in _COLLECTED:
         said = f": {'; '.join(seen.failures[:3])}" if seen.failures else " (pytest's message is above)"
         raise ProjectError(f"pytest could not collect from {directory} (pytest exit {int(code)}){said}; "
