@@ -20,12 +20,15 @@ where pytest looked (:meth:`Project.where`).
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
+
+import pytest
 
 from .config import Config, ConfigError
 from .registry import COMPONENTS, Component, get
@@ -94,7 +97,9 @@ class _Seen:
         self.sys_path: list[str] = []
         self.new_cache: Path | None = None  # pytest's cache directory, when this run would create it
 
+    @pytest.hookimpl(tryfirst=True)  # before junitxml's: a look writes no report over the user's last one
     def pytest_configure(self, config):
+        config.option.xmlpath = None
         # a failed collection is written to pytest's cache: a directory that a look must not leave behind
         with contextlib.suppress(ValueError):  # no cache_dir option: the cacheprovider plugin is off
             cache = Path(config.rootpath, config.getini("cache_dir"))
@@ -131,15 +136,14 @@ def load(directory: str | os.PathLike = ".", args: Sequence[str] = ()) -> Projec
     ``testpaths`` from the rootdir, else the directory). Implementations registered by the
     conftests it imports stay registered; ``sys.path`` keeps what pytest added (conftest
     directories, the ini's ``pythonpath``). Raises :class:`ProjectError` when pytest cannot start
-    or cannot collect (what pytest said is printed above on stderr, or quoted)."""
-    import pytest
-
+    or cannot collect (its usage errors are printed on stderr, its collection errors quoted)."""
     directory = Path(directory).resolve()
     seen = _Seen()
-    # -p no:terminal: silent. Nothing else that plugin defines (-q, -v, ...) may be passed: since
-    # pytest 9 an option of a plugin that is blocked is an unrecognised argument.
-    with _cwd(directory):
-        code = pytest.main(["--collect-only", "-p", "no:terminal", *args], plugins=[seen])
+    # Silent by taking pytest's stdout, not by blocking its terminal plugin (-p no:terminal): the
+    # options that plugin defines (-q, -v, -r, --tb, ...) are then unrecognised arguments (pytest 9),
+    # wherever they come from, a user's addopts included.
+    with _cwd(directory), contextlib.redirect_stdout(io.StringIO()):
+        code = pytest.main(["--collect-only", *args], plugins=[seen])
     sys.path[:0] = [p for p in dict.fromkeys(seen.sys_path) if p not in sys.path]
     if seen.new_cache is not None:
         shutil.rmtree(seen.new_cache, ignore_errors=True)

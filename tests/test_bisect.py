@@ -158,6 +158,22 @@ def test_check_follows_git_bisect_exit_codes(tmp_path):
     assert bad.returncode == 2 and "expected 7" in bad.stderr
 
 
+def test_bisect_loads_the_conftests_of_the_ini_testpaths_whatever_the_addopts(tmp_path):
+    """Options of pytest's terminal plugin in a user's addopts (pytest 9 rejects them when that
+    plugin is blocked) and a conftest found only through testpaths: the names it registers count,
+    and a name it does not register is a usage error that says where bisect looked."""
+    project = tmp_path / "project"
+    (project / "checks").mkdir(parents=True)
+    (project / "pytest.ini").write_text("[pytest]\naddopts = -ra -v --tb=short\ntestpaths = checks\n")
+    (project / "checks" / "conftest.py").write_text(CONFTEST)
+    done = bisect(tmp_path, "check", "tp-yours-tp2-fp32-op_mlp-b4.f32.h16.s8.v40-seed0")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "unknown implementation 'yours' of tp; registered: colbwd, dtensor, hf, megatron, noisy, ours, overtp" \
+        in done.stderr and f"loaded conftests: {project / 'conftest.py'}, {project / 'checks' / 'conftest.py'}" \
+        in done.stderr and f"ini file {project / 'pytest.ini'}, collecting checks" in done.stderr, done.stderr
+    assert "no divergence" not in done.stdout + done.stderr
+
+
 def test_a_command_oracle_and_the_trial_budget(tmp_path):
     # the oracle says bad while tp > 1: the search wants more trials than it is given
     oracle = [sys.executable, "-c", "import sys; sys.exit(1 if '.tp' in sys.argv[1] or '-tp' in sys.argv[1] and "
