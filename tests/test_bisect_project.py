@@ -53,14 +53,18 @@ def bisect(python: Path, project: Path, *args: str, timeout: float = 600) -> sub
                           cwd=project, env=user_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def test_check_exits_0_on_the_users_layer_1_on_its_bug_and_2_on_a_name_not_registered(python, tmp_path):
+def test_check_exits_0_on_the_users_layer_and_1_on_its_bug(python, tmp_path):
     good = make_project(tmp_path / "good")
     done = bisect(python, good, "check", CELL)
     assert done.returncode == 0 and f"{CELL}: match" in done.stdout, done.stdout + done.stderr
+    assert sorted(p.name for p in good.iterdir()) == ["mypkg", "pytest.ini", "tests_parity"]  # nothing left behind
     buggy = make_project(tmp_path / "buggy", bug=True)
     done = bisect(python, buggy, "check", CELL)
     assert done.returncode == 1 and "mismatch in grad/x" in done.stdout, done.stdout + done.stderr
 
+
+def test_a_name_not_registered_is_a_usage_error_saying_where_bisect_looked(python, tmp_path):
+    good = make_project(tmp_path / "good")
     conftest = good / "tests_parity" / "conftest.py"
     unknown = bisect(python, good, "check", CELL.replace("-mine-", "-yours-"))
     assert unknown.returncode == 2, unknown.stdout + unknown.stderr
@@ -73,7 +77,8 @@ def test_check_exits_0_on_the_users_layer_1_on_its_bug_and_2_on_a_name_not_regis
     component = bisect(python, good, "check", CELL.replace("tp-", "tq-", 1))
     assert component.returncode == 2 and "unknown component 'tq'; registered: ckpt" in component.stderr
     assert f"loaded conftests: {conftest}" in component.stderr, component.stderr
-    assert sorted(p.name for p in good.iterdir()) == ["mypkg", "pytest.ini", "tests_parity"]  # nothing left behind
+    run = bisect(python, good, "run", CELL.replace("-mine-", "-yours-"))
+    assert run.returncode == 2 and "unknown implementation 'yours' of tp" in run.stderr, run.stdout + run.stderr
 
 
 def test_run_on_an_id_of_the_users_implementation_shrinks_it(python, tmp_path):
