@@ -92,7 +92,7 @@ class _Seen:
 
     def __init__(self):
         self.config = None
-        self.cells: list[Config] = []
+        self.cells: dict[Config, None] = {}  # in order, once each (a cell may be collected by two tests)
         self.failures: list[str] = []
         self.sys_path: list[str] = []
         self.new_cache: Path | None = None  # pytest's cache directory, when this run would create it
@@ -114,8 +114,8 @@ class _Seen:
         self.config = session.config
         for item in session.items:
             cfg = getattr(getattr(item, "callspec", None), "params", {}).get("cfg")
-            if isinstance(cfg, Config) and cfg not in self.cells:
-                self.cells.append(cfg)
+            if isinstance(cfg, Config):
+                self.cells[cfg] = None
         # pytest takes its `pythonpath` ini entries off sys.path when it ends; the ranks need them
         self.sys_path = list(sys.path)
 
@@ -135,7 +135,8 @@ def load(directory: str | os.PathLike = ".", args: Sequence[str] = ()) -> Projec
     ``directory``, with ``args`` as on pytest's command line (paths, ``-k``, ...; none: the ini's
     ``testpaths`` from the rootdir, else the directory). Implementations registered by the
     conftests it imports stay registered; ``sys.path`` keeps what pytest added (conftest
-    directories, the ini's ``pythonpath``). Raises :class:`ProjectError` when pytest cannot start
+    directories, the ini's ``pythonpath``) and ``directory`` itself, as ``python -m pytest`` run there
+    has it, so that the ranks import what the conftests name. Raises :class:`ProjectError` when pytest cannot start
     or cannot collect (its usage errors are printed on stderr, its collection errors quoted)."""
     directory = Path(directory).resolve()
     seen = _Seen()
@@ -144,7 +145,7 @@ def load(directory: str | os.PathLike = ".", args: Sequence[str] = ()) -> Projec
     # wherever they come from, a user's addopts included.
     with _cwd(directory), contextlib.redirect_stdout(io.StringIO()):
         code = pytest.main(["--collect-only", *args], plugins=[seen])
-    sys.path[:0] = [p for p in dict.fromkeys(seen.sys_path) if p not in sys.path]
+    sys.path[:0] = [p for p in dict.fromkeys([*seen.sys_path, str(directory)]) if p not in sys.path]
     if seen.new_cache is not None:
         shutil.rmtree(seen.new_cache, ignore_errors=True)
     if seen.config is None or code not in _COLLECTED:
