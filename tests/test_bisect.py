@@ -27,16 +27,15 @@ register_implementation("ckpt", "rotload", "tests.planted:ckpt_load_rotates_rows
 '''
 
 
-def bisect(tmp_path, *args, cwd=None, timeout=600):
-    """Run ``python -m harness.bisect`` the way a user does, with the planted implementations
-    registered through a conftest of the directory it runs from."""
-    project = cwd or tmp_path / "project"
+def bisect(tmp_path, *args, timeout=600):
+    """Run ``python -m harness.bisect`` the way a user does, from a directory whose conftest
+    registers the planted implementations: bisect itself must load it, as pytest would."""
+    project = tmp_path / "project"
     project.mkdir(exist_ok=True)
     (project / "conftest.py").write_text(CONFTEST)
-    code = f"import conftest, sys; from harness.bisect.__main__ import main; sys.exit(main({list(args)!r}))"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(project), str(ROOT)]))
-    return subprocess.run([sys.executable, "-c", code], cwd=project, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # the planted implementations live in tests/
+    return subprocess.run([sys.executable, "-m", "harness.bisect", *args], cwd=project, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def result(tmp_path):
@@ -157,6 +156,22 @@ def test_check_follows_git_bisect_exit_codes(tmp_path):
     assert skip.returncode == 125, skip.stdout + skip.stderr
     bad = bisect(tmp_path, "check", "not-a-config")
     assert bad.returncode == 2 and "expected 7" in bad.stderr
+
+
+def test_bisect_loads_the_conftests_of_the_ini_testpaths_whatever_the_addopts(tmp_path):
+    """Options of pytest's terminal plugin in a user's addopts (pytest 9 rejects them when that
+    plugin is blocked) and a conftest found only through testpaths: the names it registers count,
+    and a name it does not register is a usage error that says where bisect looked."""
+    project = tmp_path / "project"
+    (project / "checks").mkdir(parents=True)
+    (project / "pytest.ini").write_text("[pytest]\naddopts = -ra -v --tb=short\ntestpaths = checks\n")
+    (project / "checks" / "conftest.py").write_text(CONFTEST)
+    done = bisect(tmp_path, "check", "tp-yours-tp2-fp32-op_mlp-b4.f32.h16.s8.v40-seed0")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "unknown implementation 'yours' of tp; registered: colbwd, dtensor, hf, megatron, noisy, ours, overtp" \
+        in done.stderr and f"loaded conftests: {project / 'conftest.py'}, {project / 'checks' / 'conftest.py'}" \
+        in done.stderr and f"ini file {project / 'pytest.ini'}, collecting checks" in done.stderr, done.stderr
+    assert "no divergence" not in done.stdout + done.stderr
 
 
 def test_a_command_oracle_and_the_trial_budget(tmp_path):
