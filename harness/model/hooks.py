@@ -42,9 +42,11 @@ def _tensors(value: Any, prefix: str) -> dict[str, torch.Tensor]:
 class Recorder:
     """Hooks on every submodule of ``modules``; ``step`` is set by the training loop.
 
-    ``place``: tensor -> Piece on a rank (None: the logical tensor, in the reference)."""
+    ``place``: (tensor, module name, tensor name) -> Piece on a rank (None: the logical tensor, in
+    the reference)."""
 
-    def __init__(self, modules: list[nn.Module], place: Callable[[torch.Tensor], Piece | None] | None = None):
+    def __init__(self, modules: list[nn.Module],
+                 place: Callable[[torch.Tensor, str, str], Piece | None] | None = None):
         self.step = 0
         self.place = place
         self.calls: Counter = Counter()
@@ -58,10 +60,10 @@ class Recorder:
         for handle in self.handles:
             handle.remove()
 
-    def _piece(self, tensor: torch.Tensor) -> Piece | None:
+    def _piece(self, tensor: torch.Tensor, module: str, name: str) -> Piece | None:
         if self.place is None:
             return Piece.full(tensor.detach().clone())
-        return self.place(tensor)
+        return self.place(tensor, module, name)
 
     def _hook(self, name: str):
         def hook(module, args, kwargs, output):
@@ -80,7 +82,7 @@ class Recorder:
         event = events.Event(events.key(phase, "module", where))
         for role, tensors in (("inputs", inputs), ("outputs", outputs)):
             for n, t in tensors.items():
-                piece = self._piece(t)
+                piece = self._piece(t, where["module"], n)
                 if piece is not None:
                     getattr(event, role)[n] = piece
         events.append(event)
@@ -111,3 +113,28 @@ class Recorder:
             t.register_hook(on_output(n))
         for n, t in needs.items():
             t.register_hook(lambda grad, n=n: finish({n: grad}))
+
+
+def logical_shapes(model: nn.Module, run: Callable[[], Any]) -> dict[tuple[str, str], tuple[int, ...]]:
+    """(module name, tensor name) -> the logical shape of that module's input/output, from one
+    forward of the unparallelized ``model`` on a global batch (``run``): what a rank's plain local
+    tensor is a piece of. Only when recording."""
+    shapes: dict[tuple[str, str], tuple[int, ...]] = {}
+
+    def hook(name):
+        def record(module, args, kwargs, output):
+            first = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            if first is not None:
+                shapes.setdefault((name, "input"), tuple(first.shape))
+            for n, t in _tensors(output, "output").items():
+                shapes.setdefault((name, n), tuple(t.shape))
+        return record
+
+    handles = [m.register_forward_hook(hook(n), with_kwargs=True) for n, m in model.named_modules() if n]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return shapes

@@ -11,6 +11,7 @@ two stages is checked on both.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from ..compare.tolerance import TORCH_DTYPE
 from ..layout import MeshLayout, Piece, Shard, piece_index
 from .batches import as_dtype, global_batch, local_batch, start_model
 from .case import ModelCase, Pipelined
-from .hooks import Recorder
+from .hooks import Recorder, logical_shapes
 from .pieces import declared, describe
 from .rules import meshes as mesh_dims
 from .rules import spec as spec_of
@@ -172,11 +173,32 @@ def _loss_parallel():
     return loss_parallel()
 
 
-def activation(tensor: torch.Tensor, degrees: dict[str, int], batch: dict[str, Shard]) -> Piece | None:
+def plain_activation(tensor: torch.Tensor, degrees: dict[str, int], batch: dict[str, Shard],
+                     logical: tuple[int, ...] | None) -> Piece | None:
+    """A plain activation's piece: this rank's rows of the batch, and, on a dim still short of the
+    logical shape by a factor tp, a tensor-parallel shard (a colwise layer's local output, a
+    sequence-parallel region); None when the shape says neither."""
+    if logical is None or len(logical) != tensor.dim():
+        return None
+    placements = {d: s for d, s in batch.items() if s.dim < tensor.dim()}
+    for d in range(tensor.dim()):
+        held = tensor.shape[d] * math.prod(degrees[n] for n, s in placements.items() if s.dim == d)
+        if held == logical[d]:
+            continue
+        if held * degrees.get("tp", 1) != logical[d] or "tp" in placements:
+            return None
+        placements["tp"] = Shard(d)
+    order = ("pp", "rep", "dp", "cp", "tp")
+    return Piece(tensor.detach().cpu().clone(), tuple(logical),
+                 dict(sorted(placements.items(), key=lambda item: order.index(item[0]))))
+
+
+def activation(tensor: torch.Tensor, degrees: dict[str, int], batch: dict[str, Shard],
+               logical: tuple[int, ...] | None = None) -> Piece | None:
     """An activation's piece: its DTensor placements (if any) plus the batch dims its mesh does not
     name (a tensor-parallel activation is still this rank's rows of the batch)."""
     if not isinstance(tensor, DTensor):
-        return describe(tensor, degrees, batch)
+        return plain_activation(tensor, degrees, batch, logical)
     piece = describe(tensor, degrees, gather=False)
     if piece is None:
         return None
@@ -203,7 +225,10 @@ def run(case: ModelCase, ctx, cfg) -> dict[str, Piece]:
         batch_dims = {d: Shard(0) for d in ("rep", "dp") if trainer.degrees.get(d, 1) > 1}
         if case.seq_dim is not None and trainer.degrees.get("cp", 1) > 1:
             batch_dims["cp"] = Shard(case.seq_dim)
-        recorder = Recorder(trainer.modules, lambda t: activation(t, trainer.degrees, batch_dims))
+        plain = start_model(case, cfg)
+        shapes = logical_shapes(plain, lambda: case.forward(plain, global_batch(case, 0)))
+        recorder = Recorder(trainer.modules, lambda t, module, name: activation(
+            t, trainer.degrees, batch_dims, shapes.get((module, name))))
     pieces: dict[str, Piece] = {}
     for step in range(cfg.size("steps")):
         if recorder:
