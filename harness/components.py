@@ -78,3 +78,8 @@ register_component(Component(
         "dcp": Implementation("dcp", "parallel.checkpoint:run"),
     },
 ))
+
+# ---- whole models (harness.model): models/<name>.py, each a ModelCase and its parallelize functions ----
+from .model.register import register_model  # noqa: E402  (after the registry is filled: no cycle)
+
+register_model("titan", "models.titan:CASE")

@@ -83,6 +83,16 @@ class Component:
         if own:
             _load(own)(cfg)
 
+    def explanation(self, cfg: Config, pool) -> str:
+        """What the component adds under a failing cell's table (its ``explain``), never raising:
+        the failure itself is the verdict."""
+        if not self.explain:
+            return ""
+        try:
+            return _load(self.explain)(cfg, pool)
+        except Exception as error:  # noqa: BLE001  an explanation that fails must not hide the failure
+            return f"(no explanation: {type(error).__name__}: {error})"
+
     def reference_result(self, cfg: Config):
         return _load(self.reference)(cfg)
 
