@@ -17,7 +17,13 @@ TITAN = (model_cells("titan", impls=["titan"], meshes=["tp=2", "rep=2,dp=2", "pp
          + model_cells("titan", impls=["titan"], meshes=["dp=2,tp=2"], dtypes=["fp32", "bf16"])
          + model_cells("titan", impls=["interleaved"], meshes=["pp=2", "pp=2,dp=2"]))
 
-CELLS = TITAN
+# transformers' tiny Llama (models/llama_hf.py): its own TP plan, FSDP2, HSDP and TP x FSDP2; Qwen3-MoE
+# (models/qwen3moe_hf.py): its EP plan (all_to_all) x FSDP2, expert copies summed over efsdp or not
+from models import llama_hf, qwen3moe_hf  # noqa: E402
+
+HF = llama_hf.cells() + qwen3moe_hf.cells()
+
+CELLS = TITAN + HF
 
 
 @pytest.mark.parametrize("cfg", CELLS, ids=str)

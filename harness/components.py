@@ -1,4 +1,6 @@
 """The built-in components. Each mirrors reference/<name>.py and parallel/<name>.py."""
+from dataclasses import replace
+
 from .registry import Component, Implementation, register_component
 
 register_component(Component(
@@ -83,3 +85,7 @@ register_component(Component(
 from .model.register import register_model  # noqa: E402  (after the registry is filled: no cycle)
 
 register_model("titan", "models.titan:CASE")
+# transformers' own models (pip install -e '.[thirdparty]'; without it their cells skip saying so)
+for _name, _case in (("llama", "models.llama_hf:CASE"), ("qwen3moe", "models.qwen3moe_hf:CASE")):
+    _model = register_model(_name, _case)
+    _model.implementations = {k: replace(i, skip="models.llama_hf:skip") for k, i in _model.implementations.items()}

@@ -30,6 +30,13 @@ VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 16, 32, 2, 4, 2
 BATCH, SEQ = 4, 8  # the global batch: 4 sequences (dp up to 4), 8 tokens
 
 
+def skip(cfg) -> str | None:
+    """Skip the transformers models' cells when transformers is not installed, saying how to install it."""
+    from parallel.thirdparty import _missing
+
+    return _missing("transformers")
+
+
 def config():
     """The tiny ``LlamaConfig`` (eager attention: the same arithmetic in fp32 and in the fp64 reference)."""
     from transformers import LlamaConfig
