@@ -88,4 +88,4 @@ register_model("titan", "models.titan:CASE")
 # transformers' own models (pip install -e '.[thirdparty]'; without it their cells skip saying so)
 for _name, _case in (("llama", "models.llama_hf:CASE"), ("qwen3moe", "models.qwen3moe_hf:CASE")):
     _model = register_model(_name, _case)
-    _model.implementations = {k: replace(i, skip="models.llama_hf:skip") for k, i in _model.implementations.items()}
+    _model.implementations = {k: replace(i, skip="models.hf:skip") for k, i in _model.implementations.items()}

@@ -30,16 +30,9 @@ VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 16, 32, 2, 4, 2
 BATCH, SEQ = 4, 8  # the global batch: 4 sequences (dp up to 4), 8 tokens
 
 
-def skip(cfg) -> str | None:
-    """Skip the transformers models' cells when transformers is not installed, saying how to install it."""
-    from parallel.thirdparty import _missing
-
-    return _missing("transformers")
-
-
 def config():
     """The tiny ``LlamaConfig`` (eager attention: the same arithmetic in fp32 and in the fp64 reference)."""
-    from transformers import LlamaConfig
+    from models.hf import LlamaConfig
 
     return LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
                        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=2 * SEQ,
@@ -47,7 +40,7 @@ def config():
 
 
 def build():
-    from transformers import LlamaForCausalLM
+    from models.hf import LlamaForCausalLM
 
     return LlamaForCausalLM(config())
 
@@ -89,7 +82,7 @@ class MeshManager:
 def distribute(model, meshes, **sizes):
     """``maybe_distribute_model`` with a ``DistributedConfig`` of the harness mesh's degrees: the
     model's own TP/EP/FSDP plans, applied by transformers."""
-    from transformers.distributed import DistributedConfig
+    from models.hf import DistributedConfig
 
     spec = meshes.spec
     if spec.cp > 1 or spec.pp > 1:

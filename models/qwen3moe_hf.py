@@ -28,7 +28,7 @@ VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, EXPERTS, TOP_K = 64, 16, 16, 2, 4, 
 
 
 def config():
-    from transformers import Qwen3MoeConfig
+    from models.hf import Qwen3MoeConfig
 
     return Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * FFN,
                           moe_intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
@@ -39,7 +39,7 @@ def config():
 
 
 def build():
-    from transformers import Qwen3MoeForCausalLM
+    from models.hf import Qwen3MoeForCausalLM
 
     model = Qwen3MoeForCausalLM(config())
     with torch.no_grad():
