@@ -83,6 +83,8 @@ class Localisation:
     result_ok: bool | None = None  # whether this run's end result matched the reference
     unrecorded: list[str] = field(default_factory=list)  # reference events the implementation lacks
     uncompared: list[Finding] = field(default_factory=list)
+    # with complete=True: every event, compared or not, in the reference's order (the report's heatmap)
+    findings: list[Finding] = field(default_factory=list)
 
     def summary(self) -> str:
         if self.implementation_events == 0:
@@ -121,8 +123,9 @@ class Localisation:
                 "unrecorded": self.unrecorded[:20]}
 
 
-def localise(cfg: Config, pool: Pool) -> Localisation:
-    """Record the reference's and the implementation's events for ``cfg`` and find the divergence."""
+def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
+    """Record the reference's and the implementation's events for ``cfg`` and find the divergence.
+    ``complete``: compare every event (kept in ``findings``) instead of stopping where it starts."""
     component = validate(cfg, pool.size)
     with events.recording() as log:
         component.reference_result(cfg)
@@ -149,6 +152,8 @@ def localise(cfg: Config, pool: Pool) -> Localisation:
             found.unrecorded.append(want.key)
             continue
         finding = Finding(want.key)
+        if complete:
+            found.findings.append(finding)
         try:
             for role in ("inputs", "outputs"):
                 expected = {n: p.tensor for n, p in getattr(want, role).items()}
@@ -167,6 +172,6 @@ def localise(cfg: Config, pool: Pool) -> Localisation:
             found.last_matching = finding.key
         if finding.starts_here and found.origin is None:
             found.origin = finding
-        if found.origin is not None:
+        if found.origin is not None and not complete:
             break
     return found
