@@ -128,7 +128,12 @@ class ModelCase:
 
     # ---- the Component's paths (register_model names these bound methods) -------------------------
     def run(self, ctx, cfg):
-        """Rank task: train this rank's part of the cell; its pieces (harness.model.runner)."""
+        """Rank task: train this rank's part of the cell; its pieces (harness.model.runner; a
+        ``reshard_<layout>`` cell: harness.model.reshard)."""
+        if "reshard" in dict(cfg.switches):
+            from .reshard import run as round_trip
+
+            return round_trip(self, ctx, cfg)
         from .runner import run
 
         return run(self, ctx, cfg)
@@ -144,6 +149,10 @@ class ModelCase:
         from .rules import check
 
         check(self, cfg)
+        if "reshard" in dict(cfg.switches):
+            from .reshard import check as check_reshard
+
+            check_reshard(self, cfg)
 
     def check_impl(self, cfg) -> None:
         """The configs ``cfg.impl`` supports (``supports``)."""

@@ -15,7 +15,7 @@ from ..meshes.device_mesh import DENSE, MeshSpec
 # cell-mesh short name -> harness.meshes dense dim
 LONG = {"pp": "pp", "rep": "dp_replicate", "dp": "dp_shard", "cp": "cp", "tp": "tp"}
 SHORT = {long: short for short, long in LONG.items()}
-SWITCHES = ("ep", "etp")
+SWITCHES = ("ep", "etp", "reshard")  # reshard_<layout>: harness.model.reshard
 # the first dims item of the extra mesh that stands for a whole harness.meshes layout
 MARKER = "harness.meshes"
 
@@ -37,6 +37,8 @@ def spec(cfg: Config) -> MeshSpec:
                           f"{', '.join(SWITCHES)} (the expert mesh)")
     sparse = {}
     for key, value in cfg.switches:
+        if key == "reshard":
+            continue
         if not value.isdigit():
             raise ConfigError(f"{cfg.id}: switch {key}_{value} must be a degree, e.g. {key}_2")
         sparse[key] = int(value)
@@ -48,7 +50,12 @@ def meshes(cfg: Config) -> list[tuple[tuple[str, int], ...]]:
     world, so the pool sizes itself as for any mesh); ``harness.pool.rank.build_meshes`` turns it
     into a :class:`harness.meshes.Meshes`."""
     s = spec(cfg)
-    return [((f"{MARKER} ep={s.ep} etp={s.etp}", 1),) + tuple((n, getattr(s, n)) for n in DENSE)]
+    own = [((f"{MARKER} ep={s.ep} etp={s.etp}", 1),) + tuple((n, getattr(s, n)) for n in DENSE)]
+    if "reshard" in dict(cfg.switches):
+        from .reshard import meshes as reshard_meshes
+
+        return own + reshard_meshes(cfg)
+    return own
 
 
 def from_marker(dims) -> MeshSpec | None:
