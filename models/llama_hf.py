@@ -125,4 +125,7 @@ def cells():
     """The llama cells of ``cases/test_models.py``."""
     return (model_cells("llama", impls=["tp"], meshes=["tp=2"], dtypes=["fp32", "bf16"])
             + model_cells("llama", impls=["fsdp"], meshes=["dp=2", "rep=2,dp=2"])
-            + model_cells("llama", impls=["tpfsdp"], meshes=["dp=2,tp=2"], dtypes=["fp32", "bf16"]))
+            + model_cells("llama", impls=["tpfsdp"], meshes=["dp=2,tp=2"], dtypes=["fp32", "bf16"])
+            # reshard round trips (harness.model.reshard): TP x FSDP2 saved, loaded under FSDP2, TP, one process
+            + model_cells("llama", impls=["tpfsdp"], meshes=["dp=2,tp=2"], switches={"reshard": ["dp4", "tp2", "one"]})
+            + model_cells("llama", impls=["fsdp"], meshes=["rep=2,dp=2"], switches={"reshard": ["dp2"]}))

@@ -72,4 +72,6 @@ def cells():
     """The qwen3moe cells of ``cases/test_models.py``: EP alone (efsdp 1), EP with expert copies
     summed over efsdp = 2, and EP over the whole world."""
     return (model_cells("qwen3moe", meshes=["dp=2"], switches={"ep": ["2"]})
-            + model_cells("qwen3moe", meshes=["dp=4"], switches={"ep": ["2", "4"]}))
+            + model_cells("qwen3moe", meshes=["dp=4"], switches={"ep": ["2", "4"]})
+            # reshard round trip: experts over ep=2 with two copies saved, loaded with one copy each
+            + model_cells("qwen3moe", meshes=["dp=4"], switches={"ep": ["2"], "reshard": ["dp2"]}))

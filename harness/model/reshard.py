@@ -149,7 +149,10 @@ def run(case, ctx, cfg: Config) -> dict[str, Piece]:
     result = None
     if again is None:
         if ctx.rank == 0:
-            result = _one_process(case, cfg, path, last)
+            try:  # a checkpoint that does not load must fail the cell, not leave the others waiting
+                result = _one_process(case, cfg, path, last)
+            except BaseException as error:  # noqa: BLE001  (DCP raises CheckpointException, a BaseException)
+                result = f"{type(error).__name__}: {error}"
     elif ctx.rank < again.world:
         loader = Trainer(case, dataclasses.replace(ctx, layout=MeshLayout.of(again.mesh)), again)
         model_sd, optim_sd = get_state_dict(loader.modules[0], loader.optimizer)
@@ -162,4 +165,6 @@ def run(case, ctx, cfg: Config) -> dict[str, Piece]:
         result = {loss_name(last + 1): loss.cpu()} | _state(loader)
     box = [result]
     dist.broadcast_object_list(box, group=cell, group_src=0)  # rank 0's results on every rank of the cell
+    if isinstance(box[0], str):
+        raise RuntimeError(f"{cfg.id}: the checkpoint saved on {cfg.mesh} did not load on one process: {box[0]}")
     return pieces | {name: Piece.full(t) for name, t in box[0].items()}
