@@ -82,4 +82,4 @@ register_component(Component(
 # ---- whole models (harness.model): models/<name>.py, each a ModelCase and its parallelize functions ----
 from .model.register import register_model  # noqa: E402  (after the registry is filled: no cycle)
 
-register_model("titan", "models.titan:CASE")
+register_model("titan", "models.titan:CASE", impls=("titan", "interleaved"))
