@@ -84,8 +84,9 @@ register_component(Component(
 # ---- whole models (harness.model): models/<name>.py, each a ModelCase and its parallelize functions ----
 from .model.register import register_model  # noqa: E402  (after the registry is filled: no cycle)
 
-register_model("titan", "models.titan:CASE")
+register_model("titan", "models.titan:CASE", impls=("titan", "interleaved"))
 # transformers' own models (pip install -e '.[thirdparty]'; without it their cells skip saying so)
-for _name, _case in (("llama", "models.llama_hf:CASE"), ("qwen3moe", "models.qwen3moe_hf:CASE")):
-    _model = register_model(_name, _case)
+for _name, _case, _impls in (("llama", "models.llama_hf:CASE", ("tp", "fsdp", "tpfsdp")),
+                             ("qwen3moe", "models.qwen3moe_hf:CASE", ("ep",))):
+    _model = register_model(_name, _case, impls=_impls)
     _model.implementations = {k: replace(i, skip="models.hf:skip") for k, i in _model.implementations.items()}

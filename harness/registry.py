@@ -68,8 +68,8 @@ class Component:
     # For bisect: each switch's values, simplest first (a switch not named here is never changed).
     # Sizes are halved and mesh degrees lowered while the component's rules accept the config.
     simplest: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    # "module:function", (cfg, pool) -> text added under a failing cell's table (whole models: the
-    # first diverging module), or None
+    # "module:function", (cfg, pool, report) -> text added under a failing cell's table (whole
+    # models: the first diverging module and parameter gradient), or ""
     explain: str | None = None
 
     def check(self, cfg: Config) -> None:
@@ -83,13 +83,13 @@ class Component:
         if own:
             _load(own)(cfg)
 
-    def explanation(self, cfg: Config, pool) -> str:
+    def explanation(self, cfg: Config, pool, report) -> str:
         """What the component adds under a failing cell's table (its ``explain``), never raising:
         the failure itself is the verdict."""
         if not self.explain:
             return ""
         try:
-            return _load(self.explain)(cfg, pool)
+            return _load(self.explain)(cfg, pool, report)
         except Exception as error:  # noqa: BLE001  an explanation that fails must not hide the failure
             return f"(no explanation: {type(error).__name__}: {error})"
 

@@ -44,14 +44,17 @@ class Pipelined:
     ``loss_fn(output, target)``, ``target`` being ``batch[target]`` of that microbatch); the harness
     calls ``schedule.step(batch[input], target=batch[target], losses=[...])`` on the stages that
     take input / compute the loss, once per step, with this rank's slice of the global batch.
-    ``tied``: groups of parameter names that are one parameter in the unpipelined model but live on
-    several stages (a tied embedding and output head): the harness checks every copy against it.
+    ``before_step``: called on every rank after each step's backward, before the optimizer step:
+    where a parameter the unpipelined model ties (embedding and output head) but two stages hold
+    as copies gets its gradients summed across them. The harness holds every copy of a tied
+    parameter to the reference's one parameter (copies that drift apart fail as ``replicas``).
     """
 
     stages: tuple
     schedule: Any
     input: str = "input"
     target: str = "target"
+    before_step: Callable[[], None] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stages", tuple(self.stages) if isinstance(self.stages, (list, tuple))

@@ -46,9 +46,12 @@ class Recorder:
     the reference)."""
 
     def __init__(self, modules: list[nn.Module],
-                 place: Callable[[torch.Tensor, str, str], Piece | None] | None = None):
+                 place: Callable[[torch.Tensor, str, str], Piece | None] | None = None, grad_scale: float = 1.0):
         self.step = 0
         self.place = place
+        # a rank's loss is the mean over its own slice of the batch: its activation gradients are
+        # those of the global mean loss times the number of slices, which this factor undoes
+        self.grad_scale = grad_scale
         self.calls: Counter = Counter()
         self.handles = []
         for root in modules:
@@ -83,6 +86,8 @@ class Recorder:
         for role, tensors in (("inputs", inputs), ("outputs", outputs)):
             for n, t in tensors.items():
                 piece = self._piece(t, where["module"], n)
+                if piece is not None and phase == "bwd" and self.grad_scale != 1.0:
+                    piece.tensor = piece.tensor * self.grad_scale
                 if piece is not None:
                     getattr(event, role)[n] = piece
         events.append(event)

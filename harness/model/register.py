@@ -30,13 +30,18 @@ def case_of(name: str) -> ModelCase:
     return _load(MODELS[name])
 
 
-def register_model(name: str, case: str) -> Component:
+def register_model(name: str, case: str, impls: Iterable[str] | None = None) -> Component:
     """Register the :class:`ModelCase` at ``case`` (``"mypkg.cases:CASE"``, importable on the ranks)
-    as model ``name``; its cells are ``model_cells(name, ...)``, ids ``<name>-<impl>-<mesh>-...``."""
-    found = _load(case)
-    if not isinstance(found, ModelCase):
-        raise TypeError(f"register_model({name!r}, case={case!r}): {case} is a {type(found).__name__}, "
-                        "not a harness.model.ModelCase")
+    as model ``name``; its cells are ``model_cells(name, ...)``, ids ``<name>-<impl>-<mesh>-...``.
+
+    ``impls``: the case's ``parallelize`` names, given to register without importing the case now
+    (the built-in models: a harness import does not pay for torch's pipelining and FSDP modules)."""
+    if impls is None:
+        found = _load(case)
+        if not isinstance(found, ModelCase):
+            raise TypeError(f"register_model({name!r}, case={case!r}): {case} is a {type(found).__name__}, "
+                            "not a harness.model.ModelCase")
+        impls = list(found.parallelize)
     MODELS[name] = case
     return register_component(Component(
         name=name,
@@ -48,7 +53,7 @@ def register_model(name: str, case: str) -> Component:
         explain="harness.model.diverging:explain",
         implementations={impl: Implementation(impl, f"{case}.run", xfail=f"{case}.xfail_reason",
                                               validate=f"{case}.check_impl")
-                         for impl in found.parallelize},
+                         for impl in impls},
     ))
 
 

@@ -217,9 +217,37 @@ def activation(tensor: torch.Tensor, degrees: dict[str, int], batch: dict[str, S
     return piece
 
 
+class ModuleError(RuntimeError):
+    """A rank's exception, with the innermost module of the model it was raised in."""
+
+
+def crashed_in(error: BaseException, modules: list[nn.Module]) -> str | None:
+    """The qualified name of the innermost module of ``modules`` whose ``forward`` (or a function
+    it called) raised ``error``: read from the traceback's frames, so it costs nothing until then."""
+    names = {id(m): name for root in modules for name, m in root.named_modules() if name}
+    found, tb = None, error.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in names:
+            found = names[id(owner)]
+        tb = tb.tb_next
+    return found
+
+
 def run(case: ModelCase, ctx, cfg) -> dict[str, Piece]:
-    """Rank task of a model cell."""
+    """Rank task of a model cell; an exception raised inside a module names the module."""
     trainer = Trainer(case, ctx, cfg)
+    try:
+        return _train(trainer, case, cfg)
+    except Exception as error:
+        where = crashed_in(error, trainer.modules)
+        if where is None:
+            raise
+        raise ModuleError(f"in module {where}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") \
+            from error
+
+
+def _train(trainer: Trainer, case: ModelCase, cfg) -> dict[str, Piece]:
     recorder = None
     if events.active():
         batch_dims = {d: Shard(0) for d in ("rep", "dp") if trainer.degrees.get(d, 1) > 1}
@@ -227,13 +255,17 @@ def run(case: ModelCase, ctx, cfg) -> dict[str, Piece]:
             batch_dims["cp"] = Shard(case.seq_dim)
         plain = start_model(case, cfg)
         shapes = logical_shapes(plain, lambda: case.forward(plain, global_batch(case, 0)))
+        s = trainer.spec
         recorder = Recorder(trainer.modules, lambda t, module, name: activation(
-            t, trainer.degrees, batch_dims, shapes.get((module, name))))
+            t, trainer.degrees, batch_dims, shapes.get((module, name))),
+            grad_scale=1.0 / (s.dp_replicate * s.dp_shard * s.cp))
     pieces: dict[str, Piece] = {}
     for step in range(cfg.size("steps")):
         if recorder:
             recorder.step = step + 1
         pieces[loss_name(step + 1)] = Piece.full(trainer.step(trainer.batch(step)))
+        if trainer.pipelined and trainer.pipelined.before_step:
+            trainer.pipelined.before_step()
         if step == 0:
             pieces |= trainer.pieces("grad")
         trainer.optimizer.step()
