@@ -18,5 +18,8 @@ def test_an_moe_plan_that_skips_the_expert_gradient_sum_is_red_and_names_the_exp
         run_cell(cfg, rank_pool)
     message = str(caught.value)
     print(message)  # the failure a user reads (pytest -s shows it)
-    # the copies of each expert (ranks 1 and 2 hold the same experts of ep=2) step apart
+    # the copies of each expert (ranks 1 and 2 hold the same experts of ep=2) step apart ...
     assert re.search(r"param/model\.layers\.0\.mlp\.experts\.\w+ +replicas", message), message
+    # ... so the experts' output is the first to part, at the step after the first update
+    assert "first diverging module: model.layers.0.mlp.experts (output, step 2" in message, message
+    assert "first diverging parameter gradients (step 1, in backward order): model.layers.1.mlp.experts" in message

@@ -13,29 +13,10 @@ from harness.report.models import first_diverging, module_grid
 from .ci_project import ROOT, run_project
 
 MODEL = '''
-import torch
-from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from harness.model import ModelCase
-
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)
-
-    def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
-
-
-def batch(step):
-    g = torch.Generator().manual_seed(step)
-    return {"input": torch.randn(8, 8, generator=g), "target": torch.randn(8, 8, generator=g)}
-
-
-def loss(out, batch):
-    return ((out - batch["target"]) ** 2).mean()
+from tests.model_handtp import MLP, batch, loss  # a 2-layer MLP: fc1, act, fc2
 
 
 def fsdp(model, meshes):
