@@ -21,8 +21,6 @@ run deleted, and every parameter keeps its name.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn

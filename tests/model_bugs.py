@@ -1,9 +1,7 @@
 """Users' parallelize functions with planted bugs (tests/test_model_bugs.py), each a mistake a team
 makes in its own parallelize code, on models/titan.py's model. Never flags in production code: each
 bug is a different parallelize function registered as an implementation of the ``bugs`` model."""
-import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from harness.model import ModelCase

@@ -21,15 +21,15 @@ BUGS = [
 ]
 
 
-@pytest.mark.parametrize("cfg, names", BUGS, ids=[cfg.id for cfg, _ in BUGS])
-def test_a_planted_bug_is_red_and_names_where_it_starts(cfg, names, rank_pool):
+@pytest.mark.parametrize("cell, names", BUGS, ids=[cfg.id for cfg, _ in BUGS])
+def test_a_planted_bug_is_red_and_names_where_it_starts(cell, names, rank_pool):
     with pytest.raises((Divergence, CaseFailure)) as caught:
-        run_cell(cfg, rank_pool)
+        run_cell(cell, rank_pool)
     message = str(caught.value)
     print(message)  # the failure a user reads (pytest -s shows it)
     assert names in message, message
 
 
-@pytest.mark.parametrize("cfg", model_cells("tied", impls=["tied"], meshes=["pp=2"]), ids=str)
-def test_the_same_pipeline_with_its_tied_gradients_summed_matches(cfg, rank_pool):
-    run_cell(cfg, rank_pool)
+@pytest.mark.parametrize("cell", model_cells("tied", impls=["tied"], meshes=["pp=2"]), ids=str)
+def test_the_same_pipeline_with_its_tied_gradients_summed_matches(cell, rank_pool):
+    run_cell(cell, rank_pool)

@@ -54,6 +54,9 @@ def explain(cfg: Config, pool, report) -> str:
         before = f" after {module_of(found.last_matching)}" if found.last_matching else ""
         lines.append(f"first diverging module: {module_of(first.key)}; what it received already differs: the "
                      f"divergence starts{before} in code no module hook sees (between modules, the loss, a hook)")
+    elif found.compared == 0:
+        lines.append("first diverging module: not known: no module's tensors could be placed on the mesh to compare "
+                     "(a pipeline's microbatches are not slices of the global batch)")
     else:
         lines.append("first diverging module: none: every module's outputs and input gradients match the reference, "
                      "so the divergence is in the gradient reduction, the optimizer step or the loss reduction")

@@ -21,8 +21,7 @@ import torch
 from torch import nn
 
 from .. import events
-from ..layout import Piece, Shard
-from .pieces import describe
+from ..layout import Piece
 
 
 def _tensors(value: Any, prefix: str) -> dict[str, torch.Tensor]:

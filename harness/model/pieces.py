@@ -22,7 +22,7 @@ from torch.distributed.tensor import Shard as DShard
 
 from ..layout import Piece, Shard
 from ..meshes.device_mesh import FLATTENED
-from .rules import SHORT
+from .rules import ORDER, SHORT
 
 
 def _cell_dims(name: str, degrees: dict[str, int]) -> list[str] | None:
@@ -37,7 +37,6 @@ def placements_of(names, placements, degrees: dict[str, int]) -> dict[str, Shard
     """Mesh dim names and torch placements -> Piece placements on the cell's dims, or None when a
     Piece cannot describe them."""
     out: dict[str, Shard] = {}
-    order = [SHORT.get(n, n) for n in SHORT]  # the cell mesh's order of dims
     last = {}  # tensor dim -> position in the cell's order of the last dim that sharded it
     for name, placement in zip(names, placements):
         if isinstance(placement, Replicate):
@@ -52,7 +51,7 @@ def placements_of(names, placements, degrees: dict[str, int]) -> dict[str, Shard
         dim = dims[0]
         if dim in out:
             return None
-        position = order.index(dim)
+        position = ORDER.index(dim)
         if last.get(placement.dim, -1) > position:  # nested shards must apply in the cell's order
             return None
         last[placement.dim] = position

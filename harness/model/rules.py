@@ -9,12 +9,15 @@ returns are laid out the same way.
 """
 from __future__ import annotations
 
+import math
+
 from ..config import Config, ConfigError
 from ..meshes.device_mesh import DENSE, MeshSpec
 
 # cell-mesh short name -> harness.meshes dense dim
 LONG = {"pp": "pp", "rep": "dp_replicate", "dp": "dp_shard", "cp": "cp", "tp": "tp"}
 SHORT = {long: short for short, long in LONG.items()}
+ORDER = tuple(LONG)  # the cell mesh's dims, slowest first: nested shards of one tensor dim apply in it
 SWITCHES = ("ep", "etp", "reshard")  # reshard_<layout>: harness.model.reshard
 # the first dims item of the extra mesh that stands for a whole harness.meshes layout
 MARKER = "harness.meshes"
@@ -65,7 +68,7 @@ def from_marker(dims) -> MeshSpec | None:
         return None
     sparse = dict(item.split("=") for item in first[len(MARKER) + 1:].split())
     degrees = dict(dims[1:])
-    return MeshSpec.of(__import__("math").prod(degrees.values()), **degrees, **{k: int(v) for k, v in sparse.items()})
+    return MeshSpec.of(math.prod(degrees.values()), **degrees, **{k: int(v) for k, v in sparse.items()})
 
 
 def check(case, cfg: Config) -> None:

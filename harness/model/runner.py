@@ -25,6 +25,7 @@ from .batches import as_dtype, global_batch, local_batch, start_model
 from .case import ModelCase, Pipelined
 from .hooks import Recorder, logical_shapes
 from .pieces import declared, describe
+from .rules import ORDER, SHORT
 from .rules import meshes as mesh_dims
 from .rules import spec as spec_of
 
@@ -188,9 +189,12 @@ def plain_activation(tensor: torch.Tensor, degrees: dict[str, int], batch: dict[
         if held * degrees.get("tp", 1) != logical[d] or "tp" in placements:
             return None
         placements["tp"] = Shard(d)
-    order = ("pp", "rep", "dp", "cp", "tp")
-    return Piece(tensor.detach().cpu().clone(), tuple(logical),
-                 dict(sorted(placements.items(), key=lambda item: order.index(item[0]))))
+    return Piece(tensor.detach().cpu().clone(), tuple(logical), in_order(placements))
+
+
+def in_order(placements: dict[str, Shard]) -> dict[str, Shard]:
+    """Placements sorted in the cell mesh's order, the order nested shards of a tensor dim apply in."""
+    return dict(sorted(placements.items(), key=lambda item: ORDER.index(item[0])))
 
 
 def activation(tensor: torch.Tensor, degrees: dict[str, int], batch: dict[str, Shard],
@@ -202,8 +206,6 @@ def activation(tensor: torch.Tensor, degrees: dict[str, int], batch: dict[str, S
     piece = describe(tensor, degrees, gather=False)
     if piece is None:
         return None
-    from .rules import SHORT
-
     named = {SHORT.get(n, n) for n in tensor.device_mesh.mesh_dim_names or ()}
     shape = list(piece.shape)
     for dim, shard in batch.items():
@@ -211,9 +213,7 @@ def activation(tensor: torch.Tensor, degrees: dict[str, int], batch: dict[str, S
             piece.placements[dim] = shard
             shape[shard.dim] *= degrees[dim]
     piece.shape = tuple(shape)
-    # nested shards of one tensor dim apply in the cell's order
-    order = ("pp", "rep", "dp", "cp", "tp")
-    piece.placements = dict(sorted(piece.placements.items(), key=lambda item: order.index(item[0])))
+    piece.placements = in_order(piece.placements)
     return piece
 
 

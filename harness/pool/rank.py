@@ -144,9 +144,12 @@ def build_meshes(meshes: dict, wanted, backend: str) -> None:
     from .backend import device_type
 
     for dims in wanted:
-        if dims not in meshes and layout_of(dims) is not None:  # a model cell's harness.meshes layout
-            meshes[dims] = model_meshes(layout_of(dims), backend)
-        elif dims not in meshes:
+        if dims in meshes:
+            continue
+        spec = layout_of(dims)
+        if spec is not None:  # a model cell's harness.meshes layout
+            meshes[dims] = model_meshes(spec, backend)
+        else:
             shape = MeshLayout.of(dims)
             ranks = torch.arange(shape.world).view(shape.shape)
             meshes[dims] = DeviceMesh(device_type(backend), ranks, mesh_dim_names=shape.names)
