@@ -1,4 +1,6 @@
 """The built-in components. Each mirrors reference/<name>.py and parallel/<name>.py."""
+from dataclasses import replace
+
 from .registry import Component, Implementation, register_component
 
 register_component(Component(
@@ -78,3 +80,13 @@ register_component(Component(
         "dcp": Implementation("dcp", "parallel.checkpoint:run"),
     },
 ))
+
+# ---- whole models (harness.model): models/<name>.py, each a ModelCase and its parallelize functions ----
+from .model.register import register_model  # noqa: E402  (after the registry is filled: no cycle)
+
+register_model("titan", "models.titan:CASE", impls=("titan", "interleaved"))
+# transformers' own models (pip install -e '.[thirdparty]'; without it their cells skip saying so)
+for _name, _case, _impls in (("llama", "models.llama_hf:CASE", ("tp", "fsdp", "tpfsdp")),
+                             ("qwen3moe", "models.qwen3moe_hf:CASE", ("ep",))):
+    _model = register_model(_name, _case, impls=_impls)
+    _model.implementations = {k: replace(i, skip="models.hf:skip") for k, i in _model.implementations.items()}

@@ -355,6 +355,7 @@ def parity(request, rank_pool, pytestconfig):
     from .cell import Divergence, run_cell, run_pieces
     from .golden.store import GoldenError
     from .layout import AssemblyError
+    from .model.record import model_record
     from .registry import validate
 
     opt = pytestconfig.getoption
@@ -409,7 +410,8 @@ def parity(request, rank_pool, pytestconfig):
                                rerun=rerun_command(pytestconfig, request.node.nodeid))
         except Divergence as error:
             record["kind"] = error.kind
-            record.update(_worst(error.report))
+            # a declared divergence (strict xfail) does not pay for the per-module re-run
+            record.update(_worst(error.report), **model_record(cfg, error.report, None if "expected" in record else pool))
             return str(error), None
         except (CaseFailure, AssemblyError) as error:  # a hang or crash reruns the same way a mismatch does
             record["kind"] = getattr(error, "kind", type(error).__name__)
@@ -419,7 +421,8 @@ def parity(request, rank_pool, pytestconfig):
             return str(error), None
         finally:
             record["seconds"] = round(time.perf_counter() - start, 4)
-        record.update(_worst(outcome.parity), status="passed", golden=outcome.golden_status, moved=outcome.moved)
+        record.update(_worst(outcome.parity), status="passed", golden=outcome.golden_status, moved=outcome.moved,
+                      **model_record(cfg, outcome.parity))
         return None, outcome
 
     def _on_ranks(cfg: Config, component, runner, record: dict, start: float):
