@@ -12,6 +12,11 @@ Public API (the contract of issue 19, refined here)::
   :class:`Pipelined` (the rank's ``PipelineStage`` objects and their schedule). A module whose output
   is a DTensor has its loss computed and backpropagated under ``loss_parallel()``; there is no
   separate "loss context" type (refinement of the contract).
+* Changed from the contract: ``Pipelined(stages, schedule, input, target, before_step)`` (the
+  rank's ``PipelineStage`` objects; ``before_step`` sums a tied parameter's gradients over the
+  stages holding copies); ``ModelCase.supports`` (impl -> fn(MeshSpec) -> reason: invalid cells,
+  the model form of ``Implementation.validate``) and ``ModelCase.xfail``; ``mixed_precision`` is
+  ``"autocast"`` or ``"bf16"``; ``register_model(..., impls=)`` registers without importing the case.
 * ``register_model(name, case="pkg.mod:CASE")`` registers a Component named ``name``;
   ``model_cells(name, impls=, meshes=, dtypes=, steps=, switches=)`` returns its Configs.
 * Ids: ``<model>-<impl>-<mesh>-<dtype>-<switches>-steps<N>-seed<S>``, mesh dims ``pp``, ``rep``,
