@@ -1,0 +1,138 @@
+"""Command line of ``python -m harness.explore`` (see the package docstring, or ``--help``)."""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from ..config import ConfigError
+from ..pool.parent import DEFAULT_DEADLINE, DEFAULT_SIZE, shared_pool
+from ..registry import COMPONENTS, get
+from . import __doc__ as DOC
+from .project import load
+from .runner import Budget, Exploration, explore, write_result
+
+EXIT = {"nothing": 0, "found": 1, "usage": 2}
+EPILOG = """exit codes:
+  0    nothing found within the budget
+  1    a divergence found: the minimal config, the command that reproduces it and the line that adds
+       it to the matrix are printed, and written to result.json
+  2    usage error: an unknown component or implementation, a bad option
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m harness.explore", description=DOC, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("targets", nargs="+", metavar="<component>[:<impl>]",
+                        help="what to explore: a component (every implementation of it), one implementation "
+                             "(tp:ours), or 'all'")
+    parser.add_argument("--max-examples", type=int, default=100,
+                        help="configs hypothesis draws per target at most (default 100)")
+    parser.add_argument("--max-seconds", type=float, default=300.0,
+                        help="seconds of search per target at most (default 300)")
+    parser.add_argument("--shrink-seconds", type=float, default=120.0,
+                        help="seconds of shrinking once a divergence is found (default 120)")
+    parser.add_argument("--database", default=".hypothesis/explore",
+                        help="hypothesis's example database, relative to the directory it runs from "
+                             "(default .hypothesis/explore); 'none' for none")
+    parser.add_argument("--out", default="explore-out", help="where result.json and trials.jsonl go (default explore-out)")
+    parser.add_argument("--pool-size", type=int, default=DEFAULT_SIZE, help=f"rank processes (default {DEFAULT_SIZE})")
+    parser.add_argument("--case-deadline", type=float, default=DEFAULT_DEADLINE,
+                        help=f"seconds per trial before it counts as a hang (default {DEFAULT_DEADLINE:g})")
+    return parser
+
+
+def _usage(message: str) -> int:
+    print(f"python -m harness.explore: error: {message}", file=sys.stderr)
+    return EXIT["usage"]
+
+
+def targets(names: list[str]) -> list[tuple[str, str]]:
+    """``tp``, ``tp:ours`` or ``all`` -> (component, implementation) pairs; unknown ones raise."""
+    out: list[tuple[str, str]] = []
+    for name in names:
+        if name == "all":
+            get("tp")  # registers the built-in components
+            out += [(c.name, i) for c in COMPONENTS.values() if c.space is not None for i in c.implementations]
+            continue
+        component, _, impl = name.partition(":")
+        comp = get(component)
+        if comp.space is None:
+            raise ConfigError(f"component {component!r} declares no exploration space: add "
+                              "space=Space(dims=..., sizes=..., switches=...) to its register_component(...)")
+        if impl and impl not in comp.implementations:
+            raise ConfigError(f"no implementation {impl!r} of {component}; registered: "
+                              f"{', '.join(sorted(comp.implementations))}")
+        out += [(component, impl)] if impl else [(component, i) for i in comp.implementations]
+    return list(dict.fromkeys(out))
+
+
+def reproduce(cfg_id: str) -> str:
+    return f"{shlex.quote(sys.executable)} -m harness.bisect check {cfg_id}"
+
+
+def matrix_line(cfg_id: str, modules: list[str]) -> str:
+    """The line that adds a config to the fixed matrix, and where."""
+    where = f"in {modules[0]}" if modules else "in the test module that parametrizes these cells"
+    return f'{where}: CELLS.append(Config.parse("{cfg_id}"))  (from harness.config import Config)'
+
+
+def report(found: Exploration, database: str, modules: list[str]) -> None:
+    """The closing lines of a target that diverged."""
+    cfg = found.minimal
+    origin = f"replayed from the example database {database}" if found.replayed else "drawn"
+    print(f"\n{found.target}: found {cfg.id} fails with {found.signature}")
+    print(f"  first failure {origin} at trial {found.found_trial}, {found.found_seconds:.1f} s: {found.first.id}")
+    print(f"  shrunk by hypothesis: {found.trials - found.found_trial} more trials, {found.seconds:.1f} s in all")
+    for other, signature in list(found.others.items())[:3]:
+        print(f"  also met while shrinking: {other} fails with {signature}")
+    if found.localisation is not None:
+        print("  " + found.localisation.summary().replace("\n", "\n  "))
+    print(f"reproduce: {reproduce(cfg.id)}")
+    print(f"bisect it: {shlex.quote(sys.executable)} -m harness.bisect run {cfg.id}")
+    print(f"add it to the matrix {matrix_line(cfg.id, modules)}")
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.max_examples < 1 or not args.max_seconds > 0 or not args.shrink_seconds > 0:
+        return _usage("--max-examples needs at least 1, --max-seconds and --shrink-seconds a positive number")
+    if args.pool_size < 1 or not args.case_deadline > 0:
+        return _usage("--pool-size needs at least 1 and --case-deadline a positive number of seconds")
+    try:
+        project = load(Path.cwd())  # registrations in the conftest.py files here count
+        chosen = targets(args.targets)
+    except ConfigError as error:
+        return _usage(str(error))
+    db_path = None if args.database == "none" else Path(args.database)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    budget = Budget(args.max_examples, args.max_seconds, args.shrink_seconds)
+    pool = shared_pool(size=args.pool_size, deadline=args.case_deadline)
+    results: list[Exploration] = []
+    try:
+        with open(out / "trials.jsonl", "w") as log:
+            for component, impl in chosen:
+                if db_path is not None:
+                    db_path.mkdir(parents=True, exist_ok=True)
+                found = explore(component, impl, pool, budget, db_path=db_path, log=log)
+                results.append(found)
+                write_result(out, results)
+                if found.minimal is not None:
+                    report(found, str(db_path), project.modules(component))
+                else:
+                    stop = f" (stopped at {found.budget})" if found.budget else ""
+                    print(f"\n{found.target}: nothing found in {found.trials} trials, {found.seconds:.1f} s{stop}",
+                          file=sys.stderr)
+    finally:
+        pool.close()
+    bad = [r for r in results if r.minimal is not None]
+    print(f"explored {len(results)} target(s): {len(bad)} diverged"
+          + "".join(f"; {r.target}: {r.minimal.id}" for r in bad) + f"; details in {out / 'result.json'}")
+    return EXIT["found"] if bad else EXIT["nothing"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""One exploration: hypothesis draws configs, the warm pool runs them, a failure is shrunk and located.
+
+Each drawn config is one bisect trial (:class:`harness.bisect.runner.Trials`: validated, skipped
+or run in the pool, judged into a :class:`~harness.bisect.signature.Signature`). The first failure
+fixes the signature to keep; hypothesis then shrinks while a smaller config still fails that way
+(a different failure met on the way is noted, not chased), and the minimal config goes to bisect's
+localisation. The example database keeps the failing example under a key per component and
+implementation, so the next run replays it before drawing anything new, until it passes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
+from hypothesis import strategies as st
+from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis.errors import Unsatisfiable
+
+from ..bisect.localise import localise
+from ..bisect.runner import Trial, Trials
+from ..bisect.signature import Signature
+from ..config import Config
+from ..pool.parent import CaseFailure, Pool, PoolError
+from .strategies import configs
+
+
+def database_key(component: str, impl: str) -> bytes:
+    """The example database's key of one target: stable across edits of this code."""
+    return f"paritytest.explore:{component}:{impl}".encode()
+
+
+def database(path: Path | None) -> DirectoryBasedExampleDatabase | None:
+    return DirectoryBasedExampleDatabase(str(path)) if path is not None else None
+
+
+class Found(AssertionError):
+    """Raised inside the hypothesis test when a config fails the way the first failure did."""
+
+
+@dataclass
+class Exploration:
+    """What one target's exploration did; ``minimal`` is set when it found a divergence."""
+
+    component: str
+    impl: str
+    trials: int = 0  # configs run in the pool (a config met again is not run again)
+    drawn: int = 0  # examples hypothesis drew, invalid ones included
+    seconds: float = 0.0
+    stored: int = 0  # examples the database held for this target at the start
+    minimal: Config | None = None
+    signature: Signature | None = None
+    first: Config | None = None  # the first failing config, before shrinking
+    found_trial: int = 0  # the trial that found it, and when
+    found_seconds: float = 0.0
+    replayed: bool = False  # found among the stored examples
+    others: dict[str, str] = field(default_factory=dict)  # other failures met while shrinking: id -> signature
+    localisation: object | None = None
+    budget: str = ""  # why it stopped early, if it did
+
+    @property
+    def target(self) -> str:
+        return f"{self.component}:{self.impl}"
+
+    def as_json(self) -> dict:
+        out = {"target": self.target, "trials": self.trials, "drawn": self.drawn, "seconds": round(self.seconds, 2),
+               "stored examples": self.stored, "verdict": "divergence" if self.minimal else "no divergence"}
+        if self.budget:
+            out["stopped"] = self.budget
+        if self.minimal is not None:
+            out |= {"minimal": self.minimal.id, "signature": str(self.signature), "kind": self.signature.kind,
+                    "tensors": list(self.signature.tensors), "first": self.first.id,
+                    "found at trial": self.found_trial, "found after seconds": round(self.found_seconds, 2),
+                    "replayed from the database": self.replayed, "other failures": self.others}
+            if self.localisation is not None:
+                out["localisation"] = self.localisation.as_json()
+        return out
+
+
+@dataclass
+class Budget:
+    """Examples and seconds for drawing; shrinking gets its own seconds once a failure is found."""
+
+    max_examples: int = 100
+    max_seconds: float = 300.0
+    shrink_seconds: float = 120.0
+
+
+def explore(component: str, impl: str, pool: Pool, budget: Budget, *, db_path: Path | None = None,
+            log: TextIO | None = None, quiet: bool = False) -> Exploration:
+    """Explore one implementation of one component; see the module docstring."""
+    result = Exploration(component, impl)
+    db = database(db_path)
+    result.stored = len(list(db.fetch(database_key(component, impl)))) if db else 0
+    trials = Trials(pool, log, max_trials=math.inf, max_seconds=math.inf, quiet=True)
+    seen: dict[Config, Trial] = {}
+    start = time.monotonic()
+    found_at: list[float] = []
+
+    def say(trial: Trial, phase: str) -> None:
+        if quiet:
+            return
+        elapsed = time.monotonic() - start
+        print(f"\r[explore {result.target}] {phase:<8} trial {result.trials:>4} {elapsed:6.1f}s "
+              f"{trial.signature.kind:<9}{trial.cfg.id}", file=sys.stderr, flush=True)
+
+    def run(cfg: Config) -> Trial:
+        if cfg not in seen:
+            result.trials += 1
+            seen[cfg] = trials.run(cfg)
+            phase = ("replay" if result.trials <= result.stored and not found_at else
+                     "shrink" if found_at else "search")
+            say(seen[cfg], phase)
+        return seen[cfg]
+
+    @given(st.data())
+    def trial(data):
+        result.drawn += 1
+        now = time.monotonic()
+        if not found_at and now - start > budget.max_seconds:
+            result.budget = f"{budget.max_seconds:g} s of search (--max-seconds)"
+            reject()  # before drawing: the rest of hypothesis's examples cost nothing
+        cfg = data.draw(configs(component, impl, pool.size), label="config")
+        if cfg not in seen and found_at and now - found_at[0] > budget.shrink_seconds:
+            result.budget = f"{budget.shrink_seconds:g} s of shrinking (--shrink-seconds)"
+            reject()  # a config already run still answers, so the final replay holds
+        got = run(cfg)
+        if got.signature.kind in ("skip", "invalid"):
+            reject()
+        if not got.signature.failed:
+            return
+        if result.signature is None:
+            result.signature, result.first = got.signature, cfg
+            result.found_trial, result.found_seconds = result.trials, time.monotonic() - start
+            result.replayed = result.trials <= result.stored
+            found_at.append(time.monotonic())
+        if result.signature.holds_in(got.signature):
+            result.minimal = cfg
+            raise Found(f"{cfg.id}: {got.signature}")
+        result.others.setdefault(cfg.id, str(got.signature))
+
+    trial = settings(max_examples=budget.max_examples, deadline=None, database=db, derandomize=False,
+                     suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet, report_multiple_bugs=False,
+                     phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink))(trial)
+    trial._hypothesis_internal_database_key = database_key(component, impl)
+    try:
+        trial()
+    except Found:
+        pass
+    except Unsatisfiable:
+        pass  # no config could run (all skipped here, or the budget ended before the first)
+    result.seconds = time.monotonic() - start
+    if result.minimal is not None:
+        # the last config that raised is the one hypothesis replays at the end: the minimal one
+        result.signature = seen[result.minimal].signature
+        result.localisation = _localise(result.minimal, pool)
+    return result
+
+
+def _localise(cfg: Config, pool: Pool):
+    """Bisect's localisation of the minimal config; a crash or hang while recording leaves none."""
+    try:
+        return localise(cfg, pool)
+    except (CaseFailure, PoolError) as error:
+        print(f"events of {cfg.id} could not be recorded: {str(error).splitlines()[0]}", file=sys.stderr)
+        return None
+
+
+def write_result(out: Path, results: list[Exploration]) -> None:
+    (out / "result.json").write_text(json.dumps([r.as_json() for r in results], indent=2) + "\n")
