@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
 
@@ -69,32 +68,6 @@ def targets(names: list[str]) -> list[tuple[str, str]]:
     return list(dict.fromkeys(out))
 
 
-def reproduce(cfg_id: str) -> str:
-    return f"{shlex.quote(sys.executable)} -m harness.bisect check {cfg_id}"
-
-
-def matrix_line(cfg_id: str, modules: list[str]) -> str:
-    """The line that adds a config to the fixed matrix, and where."""
-    where = f"in {modules[0]}" if modules else "in the test module that parametrizes these cells"
-    return f'{where}: CELLS.append(Config.parse("{cfg_id}"))  (from harness.config import Config)'
-
-
-def report(found: Exploration, database: str, modules: list[str]) -> None:
-    """The closing lines of a target that diverged."""
-    cfg = found.minimal
-    origin = f"replayed from the example database {database}" if found.replayed else "drawn"
-    print(f"\n{found.target}: found {cfg.id} fails with {found.signature}")
-    print(f"  first failure {origin} at trial {found.found_trial}, {found.found_seconds:.1f} s: {found.first.id}")
-    print(f"  shrunk by hypothesis: {found.trials - found.found_trial} more trials, {found.seconds:.1f} s in all")
-    for other, signature in list(found.others.items())[:3]:
-        print(f"  also met while shrinking: {other} fails with {signature}")
-    if found.localisation is not None:
-        print("  " + found.localisation.summary().replace("\n", "\n  "))
-    print(f"reproduce: {reproduce(cfg.id)}")
-    print(f"bisect it: {shlex.quote(sys.executable)} -m harness.bisect run {cfg.id}")
-    print(f"add it to the matrix {matrix_line(cfg.id, modules)}")
-
-
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.max_examples < 1 or not args.max_seconds > 0 or not args.shrink_seconds > 0:
@@ -120,12 +93,8 @@ def main(argv=None) -> int:
                 found = explore(component, impl, pool, budget, db_path=db_path, log=log)
                 results.append(found)
                 write_result(out, results)
-                if found.minimal is not None:
-                    report(found, str(db_path), project.modules(component))
-                else:
-                    stop = f" (stopped at {found.budget})" if found.budget else ""
-                    print(f"\n{found.target}: nothing found in {found.trials} trials, {found.seconds:.1f} s{stop}",
-                          file=sys.stderr)
+                print("\n" + found.summary(str(db_path), project.modules(component)),
+                      file=sys.stdout if found.minimal else sys.stderr)
     finally:
         pool.close()
     bad = [r for r in results if r.minimal is not None]

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
 
 from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
 from hypothesis import strategies as st
@@ -67,6 +68,28 @@ class Exploration:
     def target(self) -> str:
         return f"{self.component}:{self.impl}"
 
+    def summary(self, database: str, modules: list[str]) -> str:
+        """The closing lines: what was found and how, where it starts, the command that reproduces
+        it and the line that adds it to the fixed matrix (``modules``: the test modules with cells
+        of this component); or that nothing was found."""
+        if self.minimal is None:
+            stop = f" (stopped at {self.budget})" if self.budget else ""
+            return f"{self.target}: nothing found in {self.trials} trials, {self.seconds:.1f} s{stop}"
+        cfg, python = self.minimal, shlex.quote(sys.executable)
+        origin = f"replayed from the example database {database}" if self.replayed else "drawn"
+        lines = [f"{self.target}: found {cfg.id} fails with {self.signature}",
+                 f"  first failure {origin} at trial {self.found_trial}, {self.found_seconds:.1f} s: {self.first.id}",
+                 f"  shrunk by hypothesis: {self.trials - self.found_trial} more trials, {self.seconds:.1f} s in all"]
+        lines += [f"  also met while shrinking: {other} fails with {sig}" for other, sig in list(self.others.items())[:3]]
+        if self.localisation is not None:
+            lines.append("  " + self.localisation.summary().replace("\n", "\n  "))
+        where = f"in {modules[0]}" if modules else "in the test module that parametrizes these cells"
+        lines += [f"reproduce: {python} -m harness.bisect check {cfg.id}",
+                  f"bisect it: {python} -m harness.bisect run {cfg.id}",
+                  f'add it to the matrix {where}: CELLS.append(Config.parse("{cfg.id}"))  '
+                  "(from harness.config import Config)"]
+        return "\n".join(lines)
+
     def as_json(self) -> dict:
         out = {"target": self.target, "trials": self.trials, "drawn": self.drawn, "seconds": round(self.seconds, 2),
                "stored examples": self.stored, "verdict": "divergence" if self.minimal else "no divergence"}
@@ -92,22 +115,23 @@ class Budget:
 
 
 def explore(component: str, impl: str, pool: Pool, budget: Budget, *, db_path: Path | None = None,
-            log: TextIO | None = None, quiet: bool = False) -> Exploration:
-    """Explore one implementation of one component; see the module docstring."""
+            log: TextIO | None = None, progress: Callable[[str], None] | None = None) -> Exploration:
+    """Explore one implementation of one component; see the module docstring. ``progress`` gets
+    one line per trial (default: stderr)."""
+    progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     result = Exploration(component, impl)
     db = database(db_path)
     result.stored = len(list(db.fetch(database_key(component, impl)))) if db else 0
     trials = Trials(pool, log, max_trials=math.inf, max_seconds=math.inf, quiet=True)
     seen: dict[Config, Trial] = {}
+    pool.start()  # the clock measures exploring, not the ranks' start (a few seconds, once per process)
     start = time.monotonic()
     found_at: list[float] = []
 
     def say(trial: Trial, phase: str) -> None:
-        if quiet:
-            return
         elapsed = time.monotonic() - start
-        print(f"\r[explore {result.target}] {phase:<8} trial {result.trials:>4} {elapsed:6.1f}s "
-              f"{trial.signature.kind:<9}{trial.cfg.id}", file=sys.stderr, flush=True)
+        progress(f"[explore {result.target}] {phase:<6} trial {result.trials:>4} {elapsed:6.1f}s "
+                 f"{trial.signature.kind:<9}{trial.cfg.id}")
 
     def run(cfg: Config) -> Trial:
         if cfg not in seen:
