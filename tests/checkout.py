@@ -1,5 +1,7 @@
 """A copy of this checkout's sources, for tests that install or commit it elsewhere."""
+import os
 import shutil
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,3 +21,17 @@ def copy_checkout(dest: Path) -> Path:
     """The checkout's sources at ``dest``, without its git history, venv, goldens and caches."""
     shutil.copytree(ROOT, dest, ignore=_ignore)
     return dest
+
+
+# what a user's shell passes on: no PYTHONPATH, no virtual environment of ours; pip's own settings kept
+USER_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS",
+            "PIP_CONSTRAINT", "PIP_CONFIG_FILE")
+
+
+def user_env() -> dict[str, str]:
+    """The environment of a user's shell in a project of their own: nothing of this checkout's
+    (no PYTHONPATH, this interpreter's bin directory off PATH), so only what they installed counts."""
+    env = {k: v for k, v in os.environ.items() if k in USER_ENV}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                  if not p.startswith(str(Path(sys.executable).parent)))
+    return env

@@ -27,16 +27,15 @@ register_implementation("ckpt", "rotload", "tests.planted:ckpt_load_rotates_rows
 '''
 
 
-def bisect(tmp_path, *args, cwd=None, timeout=600):
-    """Run ``python -m harness.bisect`` the way a user does, with the planted implementations
-    registered through a conftest of the directory it runs from."""
-    project = cwd or tmp_path / "project"
+def bisect(tmp_path, *args, timeout=600):
+    """Run ``python -m harness.bisect`` the way a user does, from a directory whose conftest
+    registers the planted implementations: bisect itself must load it, as pytest would."""
+    project = tmp_path / "project"
     project.mkdir(exist_ok=True)
     (project / "conftest.py").write_text(CONFTEST)
-    code = f"import conftest, sys; from harness.bisect.__main__ import main; sys.exit(main({list(args)!r}))"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(project), str(ROOT)]))
-    return subprocess.run([sys.executable, "-c", code], cwd=project, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # the planted implementations live in tests/
+    return subprocess.run([sys.executable, "-m", "harness.bisect", *args], cwd=project, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def result(tmp_path):

@@ -4,15 +4,13 @@ The files and commands come from README's code blocks, not from this test: a REA
 from what works fails here. The harness is installed into a fresh virtual environment (no
 PYTHONPATH, not run from this checkout), as a user's project would have it.
 """
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.checkout import copy_checkout
+from tests.checkout import copy_checkout, user_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PLACEHOLDER = "/path/to/paritytest"
@@ -58,11 +56,7 @@ def test_an_outside_project_runs_its_own_implementation_as_readme_says(tmp_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     (project / "mypkg" / "__init__.py").touch()
-    env = {k: v for k, v in os.environ.items()
-           if k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL",
-                    "PIP_FIND_LINKS", "PIP_CONSTRAINT", "PIP_CONFIG_FILE")}
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
-                                  if not p.startswith(str(Path(sys.executable).parent)))
+    env = user_env()
 
     # installed from a copy: pip builds in the source tree, which must not be this checkout's
     source = tmp_path / "paritytest"

@@ -1,9 +1,13 @@
 """``python -m harness.bisect``: from a diverging cell to the smallest config that diverges the same way.
 
+Every subcommand first loads what pytest loads from the current directory (:mod:`harness.project`:
+rootdir, ini file, testpaths, conftests), so implementations a user's conftest registers count, and
+a component or implementation not registered there is a usage error saying where pytest looked.
+
 * ``run <config id>``: confirm the divergence and that it is deterministic (two runs), take its
   signature (:mod:`.signature`), then shrink the config while the signature holds (:mod:`.shrink`).
-* ``run <component>``: run that component's matrix (as pytest collects it from here, so a user's
-  own registered implementations count) and bisect its first failing cell.
+* ``run <component>``: run that component's cells as pytest collects them from here, in its order,
+  and bisect the first failing one.
 * ``run <config id> -- <command ...>``: the same search with any command as the oracle
   (``{}`` in the command, or the environment variable ``PARITY_CONFIG``, is the candidate id;
   exit 0 good, 125 skip, other codes below 128 bad).

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..config import Config, ConfigError
 from ..pool.parent import CaseFailure, Pool, PoolError, shared_pool
-from ..registry import get
+from ..project import Project, load
 from . import __doc__ as DOC
 from .localise import localise
 from .runner import EXIT, Trials
@@ -19,7 +19,8 @@ from .shrink import Budget, Search
 EPILOG = """exit codes:
   0    no divergence (check: the cell matches)
   1    divergence found (check: the cell diverges); the minimal config is in result.json
-  2    usage error: a config id that does not parse, an unknown component, a bad option
+  2    usage error: a config id that does not parse, a component or implementation not registered
+       where pytest looks from here, a directory pytest cannot collect, a bad option
   3    nondeterministic: two runs of the same cell disagree, so bisecting it would mislead
   4    budget exhausted (--max-trials, --max-seconds); the best config so far is reported
   125  check: the cell cannot run here (its rules, its implementation's skip, the pool size)
@@ -51,33 +52,13 @@ def _usage(message: str) -> int:
     return EXIT["usage"]
 
 
-def _collect(component: str) -> list[Config]:
-    """The component's cells as pytest collects them from the current directory (conftests
-    included, so implementations a user registered there count)."""
-    import pytest
-
-    found: list[Config] = []
-
-    class Collector:
-        def pytest_collection_modifyitems(self, items):
-            for item in items:
-                cfg = getattr(getattr(item, "callspec", None), "params", {}).get("cfg")
-                if isinstance(cfg, Config) and cfg.component == component:
-                    found.append(cfg)
-
-    code = pytest.main(["--collect-only", "-q", "-p", "no:terminal"], plugins=[Collector()])
-    if code not in (0, 5):
-        raise ConfigError(f"collecting the cases from {Path.cwd()} failed (pytest exit {code})")
-    return found
-
-
 def _reproduce(cfg: Config) -> str:
     return f"{shlex.quote(sys.executable)} -m harness.bisect check {cfg.id}"
 
 
-def check(args) -> int:
+def check(args, project: Project) -> int:
     try:
-        cfg = Config.parse(args.target)
+        cfg = project.resolve(args.target)
     except ConfigError as error:
         return _usage(str(error))
     pool = Pool(size=args.pool_size, deadline=args.case_deadline)
@@ -86,15 +67,20 @@ def check(args) -> int:
     finally:
         pool.close()
     kind = trial.signature.kind
-    print(f"{cfg.id}: {trial.signature}" + (f": {trial.signature.detail}" if kind in ("skip", "invalid") else ""))
+    print(f"{cfg.id}: {trial.signature}")
     if kind in ("skip", "invalid"):
         return EXIT["skip"]
     return EXIT["bad"] if trial.signature.failed else EXIT["good"]
 
 
-def run(args) -> int:
+def run(args, project: Project) -> int:
     if args.max_trials < 2 or args.max_seconds <= 0:
         return _usage("--max-trials needs at least 2 (the divergence is confirmed twice), --max-seconds > 0")
+    try:  # a config id, or a component's first failing cell among those collected here
+        original = project.resolve(args.target) if "-" in args.target else None
+        cells = project.cells_of(args.target) if original is None else []
+    except ConfigError as error:
+        return _usage(str(error))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     pool = shared_pool(size=args.pool_size, deadline=args.case_deadline)
@@ -102,7 +88,7 @@ def run(args) -> int:
     with open(out / "trials.jsonl", "w") as log:
         trials = Trials(None if args.oracle else pool, log, args.max_trials, args.max_seconds, args.oracle or None)
         try:
-            return _bisect(args, trials, out, started)
+            return _bisect(args, original, cells, trials, out, started)
         except Budget as spent:
             best = trials.best
             _write_result(out, {"verdict": "budget exhausted", "budget": str(spent), "best": best and best.id,
@@ -115,19 +101,16 @@ def run(args) -> int:
             pool.close()
 
 
-def _first_failing(component: str, trials: Trials) -> Config | None:
-    for cfg in _collect(component):
+def _first_failing(cells: list[Config], trials: Trials) -> Config | None:
+    for cfg in cells:
         if trials.run(cfg, counted=False).signature.failed:
             return cfg
     return None
 
 
-def _bisect(args, trials: Trials, out: Path, started: float) -> int:
-    if "-" in args.target:
-        original = Config.parse(args.target)
-    else:
-        get(args.target)  # an unknown component is a usage error naming the registered ones
-        original = _first_failing(args.target, trials)
+def _bisect(args, original: Config | None, cells: list[Config], trials: Trials, out: Path, started: float) -> int:
+    if original is None:
+        original = _first_failing(cells, trials)
         if original is None:
             print(f"every {args.target} cell collected here matches the reference")
             _write_result(out, {"verdict": "no divergence", "component": args.target})
@@ -202,12 +185,16 @@ def main(argv=None) -> int:
         at = argv.index("--")
         argv, oracle = argv[:at], argv[at + 1:]
     args = _parser().parse_args(argv)
-    if args.command == "check":
-        return check(args)
-    args.oracle = oracle
-    if oracle and "-" not in args.target:
+    if oracle and args.command == "run" and "-" not in args.target:
         return _usage("an oracle command needs a config id to start from, not a component")
-    return run(args)
+    try:  # the implementations a conftest registers count only once pytest has loaded it, as it would here
+        project = load()
+    except ConfigError as error:
+        return _usage(str(error))
+    if args.command == "check":
+        return check(args, project)
+    args.oracle = oracle
+    return run(args, project)
 
 
 if __name__ == "__main__":

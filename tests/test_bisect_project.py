@@ -1,0 +1,126 @@
+"""``python -m harness.bisect`` in a user's own project, as README's "Your own implementation" builds it.
+
+The project (README's files: ``pytest.ini`` with ``testpaths``, ``tests_parity/conftest.py``
+registering ``tp``/``mine``, ``mypkg/tp_impl.py``) lives in a temporary directory; the harness is
+installed into a virtual environment by README's own install command, once for the module; every
+command runs in a subprocess with the user's environment (no PYTHONPATH). The planted bug is the
+user's column-parallel layer with its backward all-reduce forgotten: ``grad/x`` diverges when tp > 1.
+"""
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.checkout import copy_checkout, user_env
+from tests.test_outside_project import PLACEHOLDER, code_blocks, project_files, readme_section
+
+pytestmark = pytest.mark.slow
+
+REDUCED = "    for t in (x.grad, total):  # partial sums over my features\n"
+FORGOTTEN = "    for t in (total,):  # x.grad's all-reduce forgotten\n"
+CELL = "tp-mine-tp2-fp32-op_colshard-b4.f32.h16.s8.v40-seed0"  # one of README's test_mine.py cells
+WIDE = "tp-mine-tp4-bf16-op_colshard-b4.f32.h16.s8.v40-seed0"
+
+
+@pytest.fixture(scope="module")
+def python(tmp_path_factory) -> Path:
+    """The interpreter of a virtual environment made by README's install command (outside any project)."""
+    base = tmp_path_factory.mktemp("installed")
+    source = copy_checkout(base / "paritytest")  # pip builds in the source tree: not this checkout
+    install = [body for lang, body in code_blocks(readme_section("Your own implementation")) if lang == "sh"][0]
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", install.replace(PLACEHOLDER, str(source))], cwd=base,
+                          env=user_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return base / ".venv" / "bin" / "python"
+
+
+def make_project(path: Path, bug: bool = False) -> Path:
+    """README's project at ``path``; with ``bug``, its layer's backward all-reduce forgotten."""
+    for name, text in project_files(code_blocks(readme_section("Your own implementation"))).items():
+        if name == "mypkg/tp_impl.py" and bug:
+            assert REDUCED in text, "README's layer changed: update REDUCED"
+            text = text.replace(REDUCED, FORGOTTEN)
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(text)
+    (path / "mypkg" / "__init__.py").touch()
+    return path
+
+
+def bisect(python: Path, project: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m harness.bisect ...`` typed in the project's directory."""
+    return subprocess.run([str(python), "-m", "harness.bisect", *args, "--pool-size", "4", "--case-deadline", "120"],
+                          cwd=project, env=user_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_check_exits_0_on_the_users_layer_1_on_its_bug_and_2_on_a_name_not_registered(python, tmp_path):
+    good = make_project(tmp_path / "good")
+    done = bisect(python, good, "check", CELL)
+    assert done.returncode == 0 and f"{CELL}: match" in done.stdout, done.stdout + done.stderr
+    buggy = make_project(tmp_path / "buggy", bug=True)
+    done = bisect(python, buggy, "check", CELL)
+    assert done.returncode == 1 and "mismatch in grad/x" in done.stdout, done.stdout + done.stderr
+
+    conftest = good / "tests_parity" / "conftest.py"
+    unknown = bisect(python, good, "check", CELL.replace("-mine-", "-yours-"))
+    assert unknown.returncode == 2, unknown.stdout + unknown.stderr
+    message = unknown.stderr.strip()
+    assert len(message.splitlines()) == 1 and "no divergence" not in message
+    for part in ("unknown implementation 'yours' of tp", "registered: dtensor, hf, megatron, mine, ours",
+                 f"rootdir {good}", f"ini file {good / 'pytest.ini'}", f"loaded conftests: {conftest}",
+                 "register_implementation('tp', 'yours', 'module:run') in a conftest.py"):
+        assert part in message, message
+    component = bisect(python, good, "check", CELL.replace("tp-", "tq-", 1))
+    assert component.returncode == 2 and "unknown component 'tq'; registered: ckpt" in component.stderr
+    assert f"loaded conftests: {conftest}" in component.stderr, component.stderr
+    assert sorted(p.name for p in good.iterdir()) == ["mypkg", "pytest.ini", "tests_parity"]  # nothing left behind
+
+
+def test_run_on_an_id_of_the_users_implementation_shrinks_it(python, tmp_path):
+    project = make_project(tmp_path / "project", bug=True)
+    done = bisect(python, project, "run", WIDE)
+    assert done.returncode == 1, done.stdout + done.stderr
+    found = json.loads((project / "bisect-out" / "result.json").read_text())
+    assert found["minimal"].startswith("tp-mine-tp2-fp32-op_colshard-") and found["essential"] == ["tp=2"]
+    assert found["tensors"][0] == "grad/x" and f"harness.bisect check {found['minimal']}" in done.stdout
+
+
+def test_run_on_a_component_bisects_the_first_failing_cell_pytest_collects(python, tmp_path):
+    project = make_project(tmp_path / "project", bug=True)
+    done = bisect(python, project, "run", "tp")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"first failing tp cell: {CELL}" in done.stderr  # tp1 cells match; the first tp2 one does not
+    found = json.loads((project / "bisect-out" / "result.json").read_text())
+    assert found["original"] == CELL and found["minimal"].startswith("tp-mine-tp2-fp32-")
+    unknown = bisect(python, project, "run", "tq")
+    assert unknown.returncode == 2 and "unknown component 'tq'" in unknown.stderr, unknown.stderr
+
+
+def test_git_bisect_run_names_the_commit_that_broke_the_users_layer(python, tmp_path):
+    repo = make_project(tmp_path / "repo")
+    layer = repo / "mypkg" / "tp_impl.py"
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo,
+                              capture_output=True, text=True, check=True)
+        return done.stdout.strip()
+
+    def commit(message: str) -> str:
+        git("add", "-A")
+        git("commit", "-qm", message)
+        return git("rev-parse", "HEAD")
+
+    git("init", "-q")
+    first = commit("my layer, as README has it")
+    layer.write_text(layer.read_text() + "# a harmless comment\n")
+    commit("a comment")
+    layer.write_text(layer.read_text().replace(REDUCED, FORGOTTEN))
+    breaking = commit("a refactor that drops the backward all-reduce")
+    (repo / "tests_parity" / "test_mine.py").write_text((repo / "tests_parity" / "test_mine.py").read_text() + "\n")
+    commit("later")
+    git("bisect", "start", "HEAD", first)
+    done = subprocess.run(["git", "bisect", "run", str(python), "-m", "harness.bisect", "check", CELL,
+                           "--pool-size", "2", "--case-deadline", "120"],
+                          cwd=repo, env=user_env(), capture_output=True, text=True, timeout=900)
+    assert f"{breaking} is the first bad commit" in done.stdout, done.stdout + done.stderr
+    git("bisect", "reset")
