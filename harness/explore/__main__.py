@@ -7,10 +7,10 @@ from pathlib import Path
 
 from ..config import ConfigError
 from ..pool.parent import DEFAULT_DEADLINE, DEFAULT_SIZE, shared_pool
+from ..project import Project, load
 from ..registry import COMPONENTS, get
 from . import __doc__ as DOC
-from .project import load
-from .runner import Budget, Exploration, explore, write_result
+from .runner import DATABASE, Budget, Exploration, explore, write_result
 
 EXIT = {"nothing": 0, "found": 1, "usage": 2}
 EPILOG = """exit codes:
@@ -32,10 +32,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-seconds", type=float, default=300.0,
                         help="seconds of search per target at most (default 300)")
     parser.add_argument("--shrink-seconds", type=float, default=120.0,
-                        help="seconds of shrinking once a divergence is found (default 120)")
-    parser.add_argument("--database", default=".hypothesis/explore",
-                        help="hypothesis's example database, relative to the directory it runs from "
-                             "(default .hypothesis/explore); 'none' for none")
+                        help="seconds of shrinking once a divergence is found: half for hypothesis's shrinker, the rest "
+                             "for bisect's field-by-field search (default 120)")
+    parser.add_argument("--database", default=None,
+                        help="hypothesis's example database (default: .hypothesis/explore in the project's "
+                             "rootdir, as pytest finds it from here); 'none' for none")
+    parser.add_argument("--ignore", action="append", default=[], metavar="TENSOR",
+                        help="a result tensor whose divergence alone does not count (repeatable), for one "
+                             "already known and declared, e.g. --ignore loss")
     parser.add_argument("--out", default="explore-out", help="where result.json and trials.jsonl go (default explore-out)")
     parser.add_argument("--pool-size", type=int, default=DEFAULT_SIZE, help=f"rank processes (default {DEFAULT_SIZE})")
     parser.add_argument("--case-deadline", type=float, default=DEFAULT_DEADLINE,
@@ -48,8 +52,9 @@ def _usage(message: str) -> int:
     return EXIT["usage"]
 
 
-def targets(names: list[str]) -> list[tuple[str, str]]:
-    """``tp``, ``tp:ours`` or ``all`` -> (component, implementation) pairs; unknown ones raise."""
+def targets(names: list[str], project: Project | None = None) -> list[tuple[str, str]]:
+    """``tp``, ``tp:ours`` or ``all`` -> (component, implementation) pairs; unknown ones raise,
+    naming where pytest looked when ``project`` is given."""
     out: list[tuple[str, str]] = []
     for name in names:
         if name == "all":
@@ -57,13 +62,14 @@ def targets(names: list[str]) -> list[tuple[str, str]]:
             out += [(c.name, i) for c in COMPONENTS.values() if c.space is not None for i in c.implementations]
             continue
         component, _, impl = name.partition(":")
-        comp = get(component)
+        comp = project.component(component) if project else get(component)
         if comp.space is None:
             raise ConfigError(f"component {component!r} declares no exploration space: add "
                               "space=Space(dims=..., sizes=..., switches=...) to its register_component(...)")
         if impl and impl not in comp.implementations:
+            where = f"; {project.where()}" if project else ""
             raise ConfigError(f"no implementation {impl!r} of {component}; registered: "
-                              f"{', '.join(sorted(comp.implementations))}")
+                              f"{', '.join(sorted(comp.implementations))}{where}")
         out += [(component, impl)] if impl else [(component, i) for i in comp.implementations]
     return list(dict.fromkeys(out))
 
@@ -76,10 +82,10 @@ def main(argv=None) -> int:
         return _usage("--pool-size needs at least 1 and --case-deadline a positive number of seconds")
     try:
         project = load(Path.cwd())  # registrations in the conftest.py files here count
-        chosen = targets(args.targets)
+        chosen = targets(args.targets, project)
     except ConfigError as error:
         return _usage(str(error))
-    db_path = None if args.database == "none" else Path(args.database)
+    db_path = project.rootdir / DATABASE if args.database is None else None if args.database == "none" else Path(args.database)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     budget = Budget(args.max_examples, args.max_seconds, args.shrink_seconds)
@@ -90,10 +96,10 @@ def main(argv=None) -> int:
             for component, impl in chosen:
                 if db_path is not None:
                     db_path.mkdir(parents=True, exist_ok=True)
-                found = explore(component, impl, pool, budget, db_path=db_path, log=log)
+                found = explore(component, impl, pool, budget, db_path=db_path, log=log, ignore=tuple(args.ignore))
                 results.append(found)
                 write_result(out, results)
-                print("\n" + found.summary(str(db_path), project.modules(component)),
+                print("\n" + found.summary(str(db_path), []),
                       file=sys.stdout if found.minimal else sys.stderr)
     finally:
         pool.close()

@@ -13,9 +13,7 @@ import pytest
 
 from ..config import Config
 from ..pool.parent import shared_pool
-from .runner import Budget, explore
-
-DATABASE = Path(".hypothesis") / "explore"
+from .runner import DATABASE, Budget, explore
 
 
 class ExploreItem(pytest.Item):

@@ -3,8 +3,9 @@
 Each drawn config is one bisect trial (:class:`harness.bisect.runner.Trials`: validated, skipped
 or run in the pool, judged into a :class:`~harness.bisect.signature.Signature`). The first failure
 fixes the signature to keep; hypothesis then shrinks while a smaller config still fails that way
-(a different failure met on the way is noted, not chased), and the minimal config goes to bisect's
-localisation. The example database keeps the failing example under a key per component and
+(a different failure met on the way is noted, not chased), bisect's field-by-field search
+(:class:`harness.bisect.shrink.Search`) finishes the shrink, and the minimal config goes to
+bisect's localisation. The example database keeps the failing example under a key per component and
 implementation, so the next run replays it before drawing anything new, until it passes.
 """
 from __future__ import annotations
@@ -25,10 +26,15 @@ from hypothesis.errors import Unsatisfiable
 
 from ..bisect.localise import localise
 from ..bisect.runner import Trial, Trials
+from ..bisect.shrink import Budget as SearchBudget
+from ..bisect.shrink import Search
 from ..bisect.signature import Signature
 from ..config import Config
 from ..pool.parent import CaseFailure, Pool, PoolError
 from .strategies import configs
+
+
+DATABASE = Path(".hypothesis") / "explore"  # hypothesis's example database, under the project's rootdir
 
 
 def database_key(component: str, impl: str) -> bytes:
@@ -42,6 +48,11 @@ def database(path: Path | None) -> DirectoryBasedExampleDatabase | None:
 
 class Found(AssertionError):
     """Raised inside the hypothesis test when a config fails the way the first failure did."""
+
+
+class Spent(BaseException):
+    """The budget ran out: stops hypothesis at once (it passes BaseException through, unjudged).
+    Every failing example it met is already in its database."""
 
 
 @dataclass
@@ -60,7 +71,8 @@ class Exploration:
     found_trial: int = 0  # the trial that found it, and when
     found_seconds: float = 0.0
     replayed: bool = False  # found among the stored examples
-    others: dict[str, str] = field(default_factory=dict)  # other failures met while shrinking: id -> signature
+    others: dict[str, str] = field(default_factory=dict)  # other failures (and ignored ones): id -> signature
+    essential: list[str] = field(default_factory=list)  # fields bisect's search could not simplify
     localisation: object | None = None
     budget: str = ""  # why it stopped early, if it did
 
@@ -74,13 +86,15 @@ class Exploration:
         of this component); or that nothing was found."""
         if self.minimal is None:
             stop = f" (stopped at {self.budget})" if self.budget else ""
-            return f"{self.target}: nothing found in {self.trials} trials, {self.seconds:.1f} s{stop}"
+            ignored = f"; {len(self.others)} diverged only in --ignore tensors" if self.others else ""
+            return f"{self.target}: nothing found in {self.trials} trials, {self.seconds:.1f} s{stop}{ignored}"
         cfg, python = self.minimal, shlex.quote(sys.executable)
         origin = f"replayed from the example database {database}" if self.replayed else "drawn"
         lines = [f"{self.target}: found {cfg.id} fails with {self.signature}",
                  f"  first failure {origin} at trial {self.found_trial}, {self.found_seconds:.1f} s: {self.first.id}",
-                 f"  shrunk by hypothesis: {self.trials - self.found_trial} more trials, {self.seconds:.1f} s in all"]
-        lines += [f"  also met while shrinking: {other} fails with {sig}" for other, sig in list(self.others.items())[:3]]
+                 f"  shrunk by hypothesis, then bisect's search: {self.trials - self.found_trial} more trials, "
+                 f"{self.seconds:.1f} s in all; essential: {', '.join(self.essential) or 'none'}"]
+        lines += [f"  also met: {other} fails with {sig}" for other, sig in list(self.others.items())[:3]]
         if self.localisation is not None:
             lines.append("  " + self.localisation.summary().replace("\n", "\n  "))
         where = f"in {modules[0]}" if modules else "in the test module that parametrizes these cells"
@@ -97,7 +111,7 @@ class Exploration:
             out["stopped"] = self.budget
         if self.minimal is not None:
             out |= {"minimal": self.minimal.id, "signature": str(self.signature), "kind": self.signature.kind,
-                    "tensors": list(self.signature.tensors), "first": self.first.id,
+                    "tensors": list(self.signature.tensors), "first": self.first.id, "essential": self.essential,
                     "found at trial": self.found_trial, "found after seconds": round(self.found_seconds, 2),
                     "replayed from the database": self.replayed, "other failures": self.others}
             if self.localisation is not None:
@@ -115,9 +129,11 @@ class Budget:
 
 
 def explore(component: str, impl: str, pool: Pool, budget: Budget, *, db_path: Path | None = None,
-            log: TextIO | None = None, progress: Callable[[str], None] | None = None) -> Exploration:
+            log: TextIO | None = None, progress: Callable[[str], None] | None = None,
+            ignore: tuple[str, ...] = ()) -> Exploration:
     """Explore one implementation of one component; see the module docstring. ``progress`` gets
-    one line per trial (default: stderr)."""
+    one line per trial (default: stderr). A failure in none but the ``ignore`` tensors is noted
+    in ``others`` and explored past (a divergence already known and declared)."""
     progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     result = Exploration(component, impl)
     db = database(db_path)
@@ -133,30 +149,33 @@ def explore(component: str, impl: str, pool: Pool, budget: Budget, *, db_path: P
         progress(f"[explore {result.target}] {phase:<6} trial {result.trials:>4} {elapsed:6.1f}s "
                  f"{trial.signature.kind:<9}{trial.cfg.id}")
 
-    def run(cfg: Config) -> Trial:
+    def run(cfg: Config, phase: str = "") -> Trial:
         if cfg not in seen:
             result.trials += 1
             seen[cfg] = trials.run(cfg)
-            phase = ("replay" if result.trials <= result.stored and not found_at else
-                     "shrink" if found_at else "search")
+            phase = phase or ("replay" if result.trials <= result.stored and not found_at else
+                              "shrink" if found_at else "search")
             say(seen[cfg], phase)
         return seen[cfg]
 
     @given(st.data())
     def trial(data):
         result.drawn += 1
-        now = time.monotonic()
+        cfg = data.draw(configs(component, impl, pool.size), label="config")
+        now = time.monotonic()  # checked after the draw: hypothesis must see every example draw alike
         if not found_at and now - start > budget.max_seconds:
             result.budget = f"{budget.max_seconds:g} s of search (--max-seconds)"
-            reject()  # before drawing: the rest of hypothesis's examples cost nothing
-        cfg = data.draw(configs(component, impl, pool.size), label="config")
-        if cfg not in seen and found_at and now - found_at[0] > budget.shrink_seconds:
-            result.budget = f"{budget.shrink_seconds:g} s of shrinking (--shrink-seconds)"
-            reject()  # a config already run still answers, so the final replay holds
+            raise Spent()
+        if found_at and now - found_at[0] > budget.shrink_seconds / 2:  # the rest is bisect's search's
+            result.budget = f"{budget.shrink_seconds / 2:g} s of hypothesis's shrinking (half of --shrink-seconds)"
+            raise Spent()  # result.minimal is the smallest failure so far
         got = run(cfg)
         if got.signature.kind in ("skip", "invalid"):
             reject()
         if not got.signature.failed:
+            return
+        if got.signature.tensors and set(got.signature.tensors) <= set(ignore):
+            result.others.setdefault(cfg.id, f"{got.signature} (ignored: --ignore)")
             return
         if result.signature is None:
             result.signature, result.first = got.signature, cfg
@@ -174,15 +193,28 @@ def explore(component: str, impl: str, pool: Pool, budget: Budget, *, db_path: P
     trial._hypothesis_internal_database_key = database_key(component, impl)
     try:
         trial()
-    except Found:
+    except (Found, Spent):
         pass
     except Unsatisfiable:
         pass  # no config could run (all skipped here, or the budget ended before the first)
-    result.seconds = time.monotonic() - start
     if result.minimal is not None:
-        # the last config that raised is the one hypothesis replays at the end: the minimal one
+        # hypothesis shrinks one choice at a time, so two fields that fail only together (tp and a
+        # size it must not divide) can stay large; bisect's field-by-field search takes them on
+        def holds(cfg: Config) -> bool | None:
+            if time.monotonic() - found_at[0] > budget.shrink_seconds:
+                raise SearchBudget(f"{budget.shrink_seconds:g} s of shrinking (--shrink-seconds)")
+            got = run(cfg, "bisect")
+            return None if got.signature.kind in ("skip", "invalid") else result.signature.holds_in(got.signature)
+
+        search = Search(result.minimal)
+        try:
+            result.minimal = search.run(holds)
+        except SearchBudget as spent:
+            result.minimal, result.budget = search.best, str(spent)
+        result.essential = search.fields()["essential"]
         result.signature = seen[result.minimal].signature
         result.localisation = _localise(result.minimal, pool)
+    result.seconds = time.monotonic() - start
     return result
 
 
