@@ -38,19 +38,22 @@ def tp_row_offsets_array_split(ctx, cfg):
 
 
 def moe_first_rank_idle_counts_aux_twice(ctx, cfg):
-    """MoE whose *first* ep rank, when its experts receive no token, takes an idle path that adds
-    its share of the aux loss a second time.
+    """Dropless MoE whose *first* ep rank, when routing sends its experts no token, takes an idle
+    path that adds its share of the aux loss a second time.
 
-    The matrix's starved ranks are never the first: route_skew starves the last half of the
-    experts, route_one sends every first choice to expert 0 (on ep rank 0). Random routing over few
-    tokens leaves ep rank 0 without a token at some seeds, which only a drawn seed meets.
+    In the matrix's dropless cells the starved ranks are never the first: route_skew starves the
+    last half of the experts, route_one sends every first choice to expert 0 (on ep rank 0); the
+    first rank of an ep group goes without tokens only through capacity drops (dp=4 ep2 route_one
+    cap_100), another path. Random routing over few tokens starves ep rank 0 at some seeds, which
+    only a drawn seed meets.
     """
     starved = []
     real_plan, real_moe = moe.plan_exchange, moe.moe
+    dropless = cfg.switch("cap") == "none"
 
     def plan_exchange(route, kept, experts, group):
         plan = real_plan(route, kept, experts, group)
-        starved.append(sum(plan.recv) == 0 and moe.group_rank(group) == 0)
+        starved.append(dropless and sum(plan.recv) == 0 and moe.group_rank(group) == 0)
         return plan
 
     def layer(*args, **kwargs):

@@ -25,7 +25,8 @@ WORKFLOW = ROOT / ".github" / "workflows" / "explore.yml"
 PLANTED = {
     "tp:rowsplit": ("tp_row_offsets_array_split", "ours", "cases.test_tp",
                     lambda c: c.degree("tp") >= 3 and c.size("f") % c.degree("tp") not in (0, c.degree("tp") - 1)),
-    "moe:idlefirst": ("moe_first_rank_idle_counts_aux_twice", "ours", "cases.test_moe", lambda c: True),
+    "moe:idlefirst": ("moe_first_rank_idle_counts_aux_twice", "ours", "cases.test_moe",
+                      lambda c: c.switch("cap") == "none"),
     "pp:oddrounds": ("pp_interleaved_odd_rounds_last_twice", "ours", "cases.test_pipeline",
                      lambda c: c.switch("sched") == "interleaved" and c.size("m") % 2 == 1
                      and rounds(c.degree("pp"), c.size("m")) > 1),

@@ -77,10 +77,13 @@ def _draft(draw, component: Component, impl: str, pool_size: int) -> Config:
 
 
 def runnable(cfg: Config, pool_size: int) -> str | None:
-    """None when ``cfg`` can run here, else why not: the rule it breaks or its implementation's skip."""
+    """None when ``cfg`` can run here, else why not: the rule it breaks, its implementation's skip,
+    or a divergence the implementation declares (``xfail``: known, so not worth finding again)."""
     try:
         component = validate(cfg, pool_size)
-        return component.implementations[cfg.impl].skip_reason(cfg)
+        impl = component.implementations[cfg.impl]
+        known = impl.xfail_reason(cfg)
+        return impl.skip_reason(cfg) or (f"declared divergence: {known}" if known else None)
     except ConfigError as error:
         return str(error)
 
@@ -88,7 +91,7 @@ def runnable(cfg: Config, pool_size: int) -> str | None:
 @st.composite
 def configs(draw, component: str, impl: str, pool_size: int) -> Config:
     """A config of ``component``/``impl`` that its rules accept, that fits ``pool_size`` ranks and
-    that the implementation does not skip here."""
+    that the implementation neither skips here nor declares a known divergence."""
     comp = get(component)
     if impl not in comp.implementations:
         raise ConfigError(f"no implementation {impl!r} of {component}; registered: "
