@@ -38,8 +38,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="hypothesis's example database (default: .hypothesis/explore in the project's "
                              "rootdir, as pytest finds it from here); 'none' for none")
     parser.add_argument("--ignore", action="append", default=[], metavar="TENSOR",
-                        help="a result tensor whose divergence alone does not count (repeatable), for one "
-                             "already known and declared, e.g. --ignore loss")
+                        help="a result tensor whose divergence alone does not count (repeatable; 'loss' also covers "
+                             "'resumed/loss'), for one already known and declared, e.g. --ignore loss")
     parser.add_argument("--out", default="explore-out", help="where result.json and trials.jsonl go (default explore-out)")
     parser.add_argument("--pool-size", type=int, default=DEFAULT_SIZE, help=f"rank processes (default {DEFAULT_SIZE})")
     parser.add_argument("--case-deadline", type=float, default=DEFAULT_DEADLINE,

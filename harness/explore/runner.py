@@ -31,7 +31,7 @@ from ..bisect.shrink import Search
 from ..bisect.signature import Signature
 from ..config import Config
 from ..pool.parent import CaseFailure, Pool, PoolError
-from .strategies import configs
+from .strategies import configs, within
 
 
 DATABASE = Path(".hypothesis") / "explore"  # hypothesis's example database, under the project's rootdir
@@ -44,6 +44,11 @@ def database_key(component: str, impl: str) -> bytes:
 
 def database(path: Path | None) -> DirectoryBasedExampleDatabase | None:
     return DirectoryBasedExampleDatabase(str(path)) if path is not None else None
+
+
+def ignored(tensor: str, names: tuple[str, ...]) -> bool:
+    """``--ignore loss`` covers ``loss`` and every ``.../loss`` (``resumed/loss``)."""
+    return any(tensor == name or tensor.endswith("/" + name) for name in names)
 
 
 class Found(AssertionError):
@@ -174,7 +179,7 @@ def explore(component: str, impl: str, pool: Pool, budget: Budget, *, db_path: P
             reject()
         if not got.signature.failed:
             return
-        if got.signature.tensors and set(got.signature.tensors) <= set(ignore):
+        if got.signature.tensors and all(ignored(tensor, ignore) for tensor in got.signature.tensors):
             result.others.setdefault(cfg.id, f"{got.signature} (ignored: --ignore)")
             return
         if result.signature is None:
@@ -203,6 +208,8 @@ def explore(component: str, impl: str, pool: Pool, budget: Budget, *, db_path: P
         def holds(cfg: Config) -> bool | None:
             if time.monotonic() - found_at[0] > budget.shrink_seconds:
                 raise SearchBudget(f"{budget.shrink_seconds:g} s of shrinking (--shrink-seconds)")
+            if not within(cfg):
+                return None
             got = run(cfg, "bisect")
             return None if got.signature.kind in ("skip", "invalid") else result.signature.holds_in(got.signature)
 

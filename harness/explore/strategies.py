@@ -76,6 +76,16 @@ def _draft(draw, component: Component, impl: str, pool_size: int) -> Config:
     return Config(component.name, impl, mesh, dtype, drawn, switches, seed)
 
 
+def within(cfg: Config) -> bool:
+    """Is ``cfg`` inside its component's space (dims, dtype, size ranges, switch values)? Shrinking
+    outside it would reach sizes the space leaves out on purpose (numerics, not bugs)."""
+    component = get(cfg.component)
+    space, values = space_of(component), component.switch_values()
+    return (all(name in space.dims for name, _ in cfg.mesh) and cfg.dtype in space.dtypes
+            and all(key in space.sizes and space.sizes[key][0] <= v <= space.sizes[key][1] for key, v in cfg.sizes)
+            and all(v in values.get(key, (v,)) for key, v in cfg.switches))
+
+
 def runnable(cfg: Config, pool_size: int) -> str | None:
     """None when ``cfg`` can run here, else why not: the rule it breaks, its implementation's skip,
     or a divergence the implementation declares (``xfail``: known, so not worth finding again)."""
