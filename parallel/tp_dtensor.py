@@ -36,6 +36,9 @@ def skip_reason(cfg: Config) -> str | None:
     if uneven and cfg.size(uneven) % tp:
         return (f"DTensor.from_local assumes even shards: {op} input split unevenly "
                 f"({uneven}={cfg.size(uneven)} over tp={tp}) is given the wrong global size")
+    if op == "sp" and cfg.size("f") % tp:  # found by harness.explore: tp2 f17 raised in sharding propagation
+        return (f"DTensor's sharding propagation fails for the sequence-parallel MLP with f={cfg.size('f')} "
+                f"split unevenly over tp={tp} (aten.addmm of uneven Shard(1) and Shard(0))")
     return None
 
 
