@@ -9,7 +9,8 @@ from .registry import Component, Implementation, Space, register_component
 # enough terms; with one or two tokens or features, fp32 sums that cancel (a bias gradient, Adam's
 # second moment, the probe loss) miss it by err/tol 1-7 on a single rank, and layer norm over one
 # or two features is constant, its input gradient rounding noise; causal attention over two tokens
-# gives the first row one key, whose softmax is 1 and whose gradient is noise.
+# gives the first row one key, whose softmax is 1 and whose gradient is noise; so does a router
+# over one expert.
 # (These limits were found by exploring the built-in implementations.)
 CKPT_LAYOUTS = ("fsdp1", "fsdp2", "fsdp3", "fsdp4", "fsdp8", "hsdp2x2", "hsdp2x4", "hsdp4x2", "fsdptp2x2",
                 "fsdptp4x2", "fsdptp2x3", "ours1", "ours2", "ours3", "ours4", "ours8", "ourshsdp2x2", "ourshsdp2x3")
@@ -51,7 +52,7 @@ register_component(Component(
     reference="reference.moe:reference",
     validate="parallel.moe:validate",
     reduction="reference.moe:reduction_size",
-    space=Space(dims=("ep", "etp", "dp", "tp"), sizes=dict(e=(1, 16), k=(1, 4), h=(4, 12), f=(4, 24), t=(4, 32)),
+    space=Space(dims=("ep", "etp", "dp", "tp"), sizes=dict(e=(2, 16), k=(1, 4), h=(4, 12), f=(4, 24), t=(4, 32)),
                 switches={"route": ("rand", "one", "skew"),
                           "emesh": ("dense", "ep1", "ep2", "ep3", "ep4", "ep8", "ep2etp2", "ep4etp2", "ep2etp4")}),
     meshes="parallel.thirdparty:moe_meshes",  # parallel.moe:meshes, plus transformers' 1-rank tp dim for hf
