@@ -34,6 +34,13 @@ PLANTED = {
                            lambda c: c.degree("cp") > 1 and c.switch("layout") == "contig"
                            and c.switch("mask") == "causal" and (c.size("s") // c.degree("cp")) % 2 == 1),
 }
+# the tolerance policy's declared limits (README, Exploration) that exploration otherwise meets
+# before the planted bug: the probe loss; ring attention's fp32 q/k/v gradients (err/tol 1.0-1.3);
+# a router gradient that balanced routing makes analytically zero
+IGNORE = {"tp:rowsplit": ["--ignore", "loss"], "pp:oddrounds": ["--ignore", "loss"],
+          "moe:idlefirst": ["--ignore", "loss", "--ignore", "router"],
+          "ringattn:oddhalves": ["--ignore", "loss"] + [a for t in ("q", "k", "v", "wq", "wk", "wv", "wo")
+                                                         for a in ("--ignore", t)]}
 CONFTEST = "from harness.registry import register_implementation\n" + "".join(
     f'register_implementation("{t.split(":")[0]}", "{t.split(":")[1]}", "tests.planted_explore:{fn}")\n'
     for t, (fn, *_) in PLANTED.items())
@@ -145,7 +152,7 @@ def test_the_fixed_matrix_misses_the_planted_bug(target, rank_pool):
 @pytest.mark.parametrize("target", list(PLANTED))
 def test_exploration_finds_and_shrinks_the_planted_bug(tmp_path, target):
     project = tmp_path / "project"
-    done = explore(project, target, "--ignore", "loss", "--max-examples", "500", "--max-seconds", "400",
+    done = explore(project, target, *IGNORE[target], "--max-examples", "3000", "--max-seconds", "400",
                    "--shrink-seconds", "60")
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     (found,) = results(project)
