@@ -225,7 +225,8 @@ def test_pytest_explore_fails_the_target_whose_cells_it_selected_with_the_line_f
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_mine.py", "--explore", "400"],
                           cwd=project, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "explore[tp:rowsplit] FAILED" in done.stdout or "FAILED explore[tp:rowsplit]" in done.stdout, done.stdout[-3000:]
+    assert "FAILED ::explore[tp:rowsplit] - Failed: tp:rowsplit: found tp-rowsplit-tp" in done.stdout, done.stdout[-3000:]
+    assert "1 failed, 1 deselected" in done.stdout  # the cell it selected is explored, not run
     assert "[explore tp:rowsplit] search" in done.stdout  # progress lines reach the terminal
     assert 'add it to the matrix in test_mine.py: CELLS.append(Config.parse("tp-rowsplit-' in done.stdout
     assert list((project / ".hypothesis" / "explore").iterdir())
