@@ -35,11 +35,11 @@ PLANTED = {
                            and c.switch("mask") == "causal" and (c.size("s") // c.degree("cp")) % 2 == 1),
 }
 # the tolerance policy's declared limits (README, Exploration) that exploration otherwise meets
-# before the planted bug: the probe loss; ring attention's fp32 q/k/v gradients (err/tol 1.0-1.3);
+# before the planted bug: the probe loss; ring attention's fp32 input gradients (err/tol 1.0-3.4);
 # a router gradient that balanced routing makes analytically zero
 IGNORE = {"tp:rowsplit": ["--ignore", "loss"], "pp:oddrounds": ["--ignore", "loss"],
           "moe:idlefirst": ["--ignore", "loss", "--ignore", "router"],
-          "ringattn:oddhalves": ["--ignore", "loss"] + [a for t in ("q", "k", "v", "wq", "wk", "wv", "wo")
+          "ringattn:oddhalves": ["--ignore", "loss"] + [a for t in ("q", "k", "v", "x", "wq", "wk", "wv", "wo")
                                                          for a in ("--ignore", t)]}
 CONFTEST = "from harness.registry import register_implementation\n" + "".join(
     f'register_implementation("{t.split(":")[0]}", "{t.split(":")[1]}", "tests.planted_explore:{fn}")\n'
