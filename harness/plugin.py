@@ -47,6 +47,9 @@ def pytest_addoption(parser):
                     help="the edit loop: of each component and implementation, a few cells on its smallest mesh of "
                          "more than one rank, covering every dtype and switch value, and no other test that needs "
                          "the rank pool; the full matrix stays the gate")
+    group.addoption("--explore", type=int, default=0, metavar="N",
+                    help="instead of running the selected cells, explore each of their (component, implementation) "
+                         "pairs with up to N configs hypothesis draws (harness.explore)")
 
 
 def _usage(option: str, value, why: str) -> pytest.UsageError:
@@ -142,6 +145,12 @@ def pytest_configure(config):
         raise _usage("--backend", opt("--backend"), str(error)) from None
     _check_implementations()
     _start_torchrun(config)
+    if opt("--explore"):
+        if opt("--explore") < 1 or launched_by_torchrun():
+            raise _usage("--explore", opt("--explore"), "needs N >= 1 configs per target, and the warm pool (not torchrun)")
+        from .explore.pytest_entry import ExplorePlugin
+
+        config.pluginmanager.register(ExplorePlugin(), "paritytest-explore")
 
 
 @pytest.hookimpl(trylast=True)  # after junitxml's pytest_configure has made its writer

@@ -53,6 +53,19 @@ class Implementation:
         return _load(self.xfail)(cfg) if self.xfail else None
 
 
+@dataclass(frozen=True)
+class Space:
+    """What exploration (``python -m harness.explore``) may draw for a component's configs, beyond
+    what its rules (``validate``) decide: the mesh dims a cell may name, each size's range, the
+    values of switches that ``Component.simplest`` does not order, and the dtypes. Meshes go up to
+    the pool size; whatever the ranges allow but the rules reject is never run."""
+
+    dims: tuple[str, ...]  # mesh dim names a cell may use (any subset, any order the rules accept)
+    sizes: dict[str, tuple[int, int]]  # size key -> (smallest, largest) value to draw
+    switches: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key -> every value
+    dtypes: tuple[str, ...] = ("fp32", "bf16")
+
+
 @dataclass
 class Component:
     name: str
@@ -71,6 +84,12 @@ class Component:
     # "module:function", (cfg, pool, report) -> text added under a failing cell's table (whole
     # models: the first diverging module and parameter gradient), or ""
     explain: str | None = None
+    # For exploration: the space its configs are drawn from (None: it cannot be explored yet)
+    space: Space | None = None
+
+    def switch_values(self) -> dict[str, tuple[str, ...]]:
+        """Every value of every switch: ``simplest``'s order where it gives one, else ``space``'s."""
+        return {**(self.space.switches if self.space else {}), **self.simplest}
 
     def check(self, cfg: Config) -> None:
         if cfg.impl not in self.implementations:

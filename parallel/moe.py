@@ -93,6 +93,11 @@ def layout(cfg: Config) -> Layout:
                           + ("" if emesh == "dense" else "; the expert mesh is named by emesh"))
     if emesh == "dense":
         return Layout(cfg.mesh, "ep", False, cfg.degree("ep"), cfg.degree("etp"), 1)
+    if [name for name, _ in cfg.mesh] == ["tp", "dp"]:
+        # the expert mesh is laid over dp x tp row-major (Shard inner factors in expert_placements);
+        # tp outermost gave wrong expert gradients (found by harness.explore: tp2.dp2 emesh_ep2)
+        raise ConfigError(f"moe cells with emesh_{emesh} take dp before tp (dp outermost, as a trainer's dense "
+                          f"mesh lays them out), got {','.join(f'{n}={d}' for n, d in cfg.mesh)}")
     ep, etp = int(m.group(1)), int(m.group(2) or 1)
     dp, tp, world = cfg.degree("dp"), cfg.degree("tp"), cfg.world
     if ep < 1 or etp < 1:
