@@ -4,16 +4,16 @@ import pytest
 from harness.cell import Divergence, run_cell
 from harness.model import model_cells, register_model
 
-register_model("handtp", "tests.model_handwritten:CASE")
+register_model("handmlp", "tests.model_handwritten:CASE")
 
 
-@pytest.mark.parametrize("cell", model_cells("handtp", impls=["megatron"], meshes=["tp=2", "tp=4"]), ids=str)
+@pytest.mark.parametrize("cell", model_cells("handmlp", impls=["megatron"], meshes=["tp=2", "tp=4"]), ids=str)
 def test_hand_written_tensor_parallel_with_declared_placements_matches(cell, rank_pool):
     outcome = run_cell(cell, rank_pool)
     assert outcome.parity.ok and "grad/0.weight" in outcome.result and outcome.result["param/2.weight"].shape == (16, 32)
 
 
-@pytest.mark.parametrize("cell", model_cells("handtp", impls=["noreduce"], meshes=["tp=2"]), ids=str)
+@pytest.mark.parametrize("cell", model_cells("handmlp", impls=["noreduce"], meshes=["tp=2"]), ids=str)
 def test_a_row_parallel_layer_without_its_sum_is_red_and_named(cell, rank_pool):
     with pytest.raises(Divergence) as caught:
         run_cell(cell, rank_pool)

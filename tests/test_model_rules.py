@@ -64,6 +64,13 @@ def test_bad_cases_and_registrations_say_what_to_fix():
         ModelCase(build=None, batch=None, loss=None, parallelize={"a": None}, mixed_precision="fp8")
     with pytest.raises(TypeError, match="not a harness.model.ModelCase"):
         register_model("nope", "tests.model_handwritten:build")
+    # two test modules once registered different cases under one name: the later silently replaced
+    # the earlier's implementations, and its cells failed with "no implementation"
+    register_model("rules", "tests.model_handwritten:CASE")  # the same case again: a re-import, fine
+    with pytest.raises(ValueError, match="'rules' is already registered for tests.model_handwritten:CASE"):
+        register_model("rules", "tests.model_handtp:HANDTP")
+    with pytest.raises(ValueError, match="already registered for a component"):
+        register_model("tp", "tests.model_handwritten:CASE")
 
 
 def test_dtensor_placements_map_to_the_cells_dims():

@@ -36,6 +36,11 @@ def register_model(name: str, case: str, impls: Iterable[str] | None = None) -> 
 
     ``impls``: the case's ``parallelize`` names, given to register without importing the case now
     (the built-in models: a harness import does not pay for torch's pipelining and FSDP modules)."""
+    taken = MODELS.get(name, "a component" if name in COMPONENTS else None)
+    if taken is not None and taken != case:
+        # a second registration would silently replace the first one's cells everywhere it is used
+        raise ValueError(f"register_model({name!r}, case={case!r}): {name!r} is already registered for {taken}; "
+                         "choose another name (it is the first field of the cells' ids)")
     if impls is None:
         found = _load(case)
         if not isinstance(found, ModelCase):
