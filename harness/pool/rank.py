@@ -227,6 +227,7 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
     from ..context import RankContext
     from ..layout import MeshLayout
     from .backend import rank_device
+    from .groups import share_groups
 
     torch.set_num_threads(1)
     conn = Connection(fd)
@@ -235,6 +236,7 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
     _, port = pickle.loads(conn.recv_bytes())  # ("port", p): where the zygote's store listens
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    share_groups()
     _send(conn, ("ready", rank))
     meshes: dict = {}  # dims -> DeviceMesh, built by build_meshes
     functions: dict[str, object] = {}
