@@ -131,7 +131,20 @@ def matrix() -> list[Config]:
     return out + [cell(*edge) for edge in EDGES]
 
 
-CELLS = matrix() + hf_matrix()
+# switch aux_off: a layer without a load-balancing loss (transformers' blocks ship none; theirs is the
+# CausalLM head's): the router learns through the gates alone. One cell per kind of mesh, both impls.
+AUX_OFF = [
+    cell("ep=2", "dense", "fp32", 4, 2, "none", "softmax", "on"),
+    cell("ep=4", "dense", "bf16", 8, 1, "125", "sigmoid", "off"),
+    cell("ep=2,etp=2", "dense", "fp32", 8, 2, "100", "softmax", "off"),
+    cell("dp=2,tp=2", "ep4", "fp32", 8, 2, "none", "sigmoid", "off"),
+    hf_cell("ep=2", "dense", "fp32", 4, 2, "on"),
+    hf_cell("dp=4", "ep2", "fp32", 8, 1, "off"),
+    hf_cell("dp=2,tp=2", "ep2", "fp32", 4, 2, "off", epimpl="allreduce"),
+]
+AUX_OFF = [cfg.replace(switches=dict(cfg.switches, aux="off")) for cfg in AUX_OFF]
+
+CELLS = matrix() + hf_matrix() + AUX_OFF
 
 
 @pytest.mark.parametrize("cfg", CELLS, ids=str)

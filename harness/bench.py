@@ -10,7 +10,9 @@ speedup is a ratio against the baseline run right here):
 * one representative cell per component (``CELLS``: the TP MLP cell at tp=4, ring attention at
   cp=4, MoE at ep=4 (ours and transformers'), ...): run, assemble, compare with the cached reference;
 * spawn-per-test, the baseline: the same cell in freshly spawned processes with a fresh process
-  group, as PyTorch's MultiProcessTestCase runs each test.
+  group, as PyTorch's MultiProcessTestCase runs each test; for the TP cell and for the whole-model
+  cell (``MODELS``: transformers' tiny Llama, its TP plan x FSDP2 on dp=2,tp=2, 3 steps; without
+  transformers, models/titan.py on the same mesh).
 
 The table goes to stderr; with ``--json``, stdout is one JSON object with the figures, nothing else
 (``python -m harness.bench --json | jq .speedup_vs_spawn``). About a minute on 2 idle cores.
@@ -35,6 +37,10 @@ from .registry import validate
 from reference.checkpoint import SIZES as CKPT_SIZES
 
 TP_MLP = Config("tp", "ours", {"tp": 4}, "fp32", dict(b=4, s=8, h=16, f=32, v=40), {"op": "mlp"})
+MODELS = {  # a warm whole-model cell each; the first that runs here is also spawned per test
+    "model_llama_dp2tp2": Config.parse("llama-tpfsdp-dp2.tp2-fp32-plain-steps3-seed0"),
+    "model_titan_dp2tp2": Config("titan", "titan", {"dp": 2, "tp": 2}, "fp32", {"steps": 3}),
+}
 # One representative cell per component, timed warm (run, assemble, compare with the cached reference).
 CELLS = {
     "tp_mlp_tp4": TP_MLP,
@@ -50,6 +56,9 @@ CELLS = {
                               {"sched": "interleaved", "tied": "on"}),
     "hsdp_2x2": Config("fsdp", "ours", {"rep": 2, "shard": 2}, "fp32", dict(b=72, h=6, f=13, o=5, m=1)),
     "ckpt_fsdp3_to_hsdp2x4": Config("ckpt", "dcp", {"w": 8}, "fp32", CKPT_SIZES, {"save": "fsdp3", "load": "hsdp2x4"}),
+    # whole models: transformers' tiny Llama (2 layers, its TP plan x FSDP2), models/titan.py (a 2-layer
+    # Llama, TP + SP + loss_parallel x FSDP2); 4 ranks, 3 AdamW steps
+    **MODELS,
 }
 
 
@@ -65,17 +74,20 @@ def _median_ms(fn, repeats: int) -> float:
 def _spawned_rank(rank: int, world: int, store_path: str, cfg: Config, out) -> None:
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
 
     from .context import RankContext
-    from .pool.rank import resolve
+    from .pool.rank import build_meshes, resolve
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     layout = MeshLayout.of(cfg.mesh)
-    mesh = DeviceMesh("cpu", torch.arange(world).view(layout.shape), mesh_dim_names=layout.names)
-    impl = validate(cfg).implementations[cfg.impl]
-    pieces = resolve(impl.run)(RankContext(rank, layout, mesh, torch.device("cpu"), "gloo"), cfg)
+    component = validate(cfg)
+    extra = tuple(tuple(dims) for dims in component.extra_meshes(cfg))
+    meshes: dict = {}
+    build_meshes(meshes, (cfg.mesh, *extra), "gloo")
+    context = RankContext(rank, layout, meshes[cfg.mesh], torch.device("cpu"), "gloo",
+                          extra_meshes={dims: meshes[dims] for dims in extra})
+    pieces = resolve(component.implementations[cfg.impl].run)(context, cfg)
     out.send_bytes(pickle.dumps(pieces))  # plain pickle, as the pool sends results
     dist.destroy_process_group()
 
@@ -132,6 +144,8 @@ def main(argv=None) -> dict:
     pool.close()
     tp_ms = cell_ms["tp_mlp_tp4"]
     spawn = [_median_ms(lambda: spawn_per_test(TP_MLP), 1) / 1e3 for _ in range(args.starts)]
+    model = next(name for name in MODELS if name in cell_ms)
+    model_spawn = [_median_ms(lambda: spawn_per_test(MODELS[model]), 1) / 1e3 for _ in range(args.starts)]
     figures = {
         "pool_start_s": round(statistics.median(starts), 3),
         "first_case_ms": round(statistics.median(firsts), 2),
@@ -139,6 +153,8 @@ def main(argv=None) -> dict:
         "cell_ms": {name: round(ms, 2) for name, ms in cell_ms.items()},
         "spawn_per_test_s": round(statistics.median(spawn), 3),
         "speedup_vs_spawn": round(statistics.median(spawn) * 1e3 / tp_ms, 1),
+        "model_spawn_per_test_s": round(statistics.median(model_spawn), 3),
+        "model_speedup_vs_spawn": round(statistics.median(model_spawn) * 1e3 / cell_ms[model], 1),
         "repeats": args.repeats,
         "cpus": os.cpu_count(),
     }
@@ -154,6 +170,9 @@ def main(argv=None) -> dict:
         say(f"cell {name:<20} {ms:8.2f} ms  run + assemble + compare, median of {cell_repeats}: {CELLS[name].id}")
     say(f"spawn-per-test, same cell {figures['spawn_per_test_s']:8.2f} s   median of {args.starts}")
     say(f"speedup per case          {figures['speedup_vs_spawn']:8.1f} x")
+    say(f"spawn-per-test, model     {figures['model_spawn_per_test_s']:8.2f} s   median of {args.starts}: "
+        f"{MODELS[model].id}")
+    say(f"speedup per model cell    {figures['model_speedup_vs_spawn']:8.1f} x")
     if args.json:
         print(json.dumps(figures))
     return figures

@@ -112,8 +112,9 @@ def run_cell(cfg: Config, pool: Pool, *, golden_dir: Path | None = None, update_
     outcome = execute(cfg, pool)
     reproduce = f"reproduce: {rerun}" if rerun else f"config: {cfg.id}"
     if not outcome.parity.ok:
-        raise Divergence(f"{cfg.id} diverges from the reference ({outcome.tol}):\n{outcome.parity.table()}\n{reproduce}",
-                         outcome.parity)
+        explained = validate(cfg).explanation(cfg, pool, outcome.parity)
+        raise Divergence(f"{cfg.id} diverges from the reference ({outcome.tol}):\n{outcome.parity.table()}\n"
+                         + (f"{explained}\n" if explained else "") + reproduce, outcome.parity)
     if golden_dir is not None:
         check_golden(outcome, Path(golden_dir), update=update_golden, missing=missing_golden,
                      backend=pool.backend, rerun=rerun)

@@ -1,11 +1,29 @@
 """The built-in components. Each mirrors reference/<name>.py and parallel/<name>.py."""
-from .registry import Component, Implementation, register_component
+from dataclasses import replace
+
+from reference.tp import OPS as TP_OPS
+
+from .registry import Component, Implementation, Space, register_component
+
+# The spaces exploration draws from (harness.explore): dims, size ranges and switch values the rules
+# then filter. Sizes are listed so that one a rule divides by another comes after it (pp: b after m).
+# Sizes start near the matrix's scale: the tolerance policy bounds the rounding of reductions over
+# enough terms; with one or two tokens or features, fp32 sums that cancel (a bias gradient, Adam's
+# second moment, the probe loss) miss it by err/tol 1-7 on a single rank, and layer norm over one
+# or two features is constant, its input gradient rounding noise; causal attention over two tokens
+# gives the first row one key, whose softmax is 1 and whose gradient is noise; so does a router
+# over one expert.
+# (These limits were found by exploring the built-in implementations.)
+CKPT_LAYOUTS = ("fsdp1", "fsdp2", "fsdp3", "fsdp4", "fsdp8", "hsdp2x2", "hsdp2x4", "hsdp4x2", "fsdptp2x2",
+                "fsdptp4x2", "fsdptp2x3", "ours1", "ours2", "ours3", "ours4", "ours8", "ourshsdp2x2", "ourshsdp2x3")
 
 register_component(Component(
     name="tp",
     reference="reference.tp:reference",
     validate="parallel.tp:validate",
     reduction="reference.tp:reduction_size",
+    space=Space(dims=("dp", "tp"), sizes=dict(b=(1, 8), s=(2, 12), h=(4, 24), f=(4, 40), v=(4, 48)),
+                switches={"op": TP_OPS}),
     implementations={
         "ours": Implementation("ours", "parallel.tp:run"),
         "dtensor": Implementation("dtensor", "parallel.tp_dtensor:run", skip="parallel.tp_dtensor:skip_reason"),
@@ -22,6 +40,7 @@ register_component(Component(
     reference="reference.ring_attention:reference",
     validate="parallel.ring_attention:validate",
     reduction="reference.ring_attention:reduction_size",
+    space=Space(dims=("dp", "cp", "tp"), sizes=dict(b=(1, 4), q=(2, 8), d=(2, 8), h=(4, 16), s=(8, 48))),
     simplest={"mask": ("full", "causal"), "layout": ("contig", "zigzag"), "gqa": ("off", "on")},
     implementations={
         "ours": Implementation("ours", "parallel.ring_attention:run"),
@@ -35,6 +54,9 @@ register_component(Component(
     reference="reference.moe:reference",
     validate="parallel.moe:validate",
     reduction="reference.moe:reduction_size",
+    space=Space(dims=("ep", "etp", "dp", "tp"), sizes=dict(e=(2, 16), k=(1, 4), h=(4, 12), f=(4, 24), t=(4, 32)),
+                switches={"route": ("rand", "one", "skew"),
+                          "emesh": ("dense", "ep1", "ep2", "ep3", "ep4", "ep8", "ep2etp2", "ep4etp2", "ep2etp4")}),
     meshes="parallel.thirdparty:moe_meshes",  # parallel.moe:meshes, plus transformers' 1-rank tp dim for hf
     simplest={"cap": ("none", "100", "125"), "score": ("softmax", "sigmoid"), "norm": ("off", "on")},
     implementations={
@@ -50,6 +72,7 @@ register_component(Component(
     reference="reference.fsdp:reference",
     validate="parallel.fsdp:validate",
     reduction="reference.fsdp:reduction_size",
+    space=Space(dims=("rep", "shard", "dp", "tp"), sizes=dict(m=(1, 4), b=(4, 48), h=(4, 8), f=(4, 16), o=(4, 6))),
     implementations={
         "ours": Implementation("ours", "parallel.fsdp:run"),
         "fsdp2": Implementation("fsdp2", "parallel.fsdp_torch:run", skip="parallel.fsdp_torch:skip_reason"),
@@ -61,6 +84,9 @@ register_component(Component(
     reference="reference.pipeline:reference",
     validate="parallel.pipeline:validate",
     reduction="reference.pipeline:reduction_size",
+    # l up to 8: deeper bf16 pipelines round past the bf16 tolerance (cases/test_pipeline.py, measured)
+    space=Space(dims=("dp", "pp", "tp"), sizes=dict(m=(1, 12), vs=(1, 3), l=(1, 8), b=(2, 32), s=(2, 6), h=(4, 8),
+                                                    f=(4, 16), v=(4, 24))),
     simplest={"sched": ("gpipe", "1f1b", "interleaved"), "tied": ("off", "on")},
     implementations={
         "ours": Implementation("ours", "parallel.pipeline:run"),
@@ -73,8 +99,20 @@ register_component(Component(
     reference="reference.checkpoint:reference",
     validate="parallel.checkpoint:validate",
     reduction="reference.checkpoint:reduction_size",
+    space=Space(dims=("w",), sizes=dict(b=(4, 24), h=(4, 8), f=(4, 12)), dtypes=("fp32",),
+                switches={"save": CKPT_LAYOUTS, "load": CKPT_LAYOUTS}),
     meshes="parallel.checkpoint:meshes",
     implementations={
         "dcp": Implementation("dcp", "parallel.checkpoint:run"),
     },
 ))
+
+# ---- whole models (harness.model): models/<name>.py, each a ModelCase and its parallelize functions ----
+from .model.register import register_model  # noqa: E402  (after the registry is filled: no cycle)
+
+register_model("titan", "models.titan:CASE", impls=("titan", "interleaved"))
+# transformers' own models (pip install -e '.[thirdparty]'; without it their cells skip saying so)
+for _name, _case, _impls in (("llama", "models.llama_hf:CASE", ("tp", "fsdp", "tpfsdp")),
+                             ("qwen3moe", "models.qwen3moe_hf:CASE", ("ep",))):
+    _model = register_model(_name, _case, impls=_impls)
+    _model.implementations = {k: replace(i, skip="models.hf:skip") for k, i in _model.implementations.items()}

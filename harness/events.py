@@ -77,6 +77,12 @@ def recording() -> Iterator[list[Event]]:
         _recorder = outer
 
 
+def append(event: Event) -> None:
+    """Record an event whose pieces the caller placed itself (module hooks), when recording."""
+    if _recorder is not None:
+        _recorder.append(event)
+
+
 def key(phase: str, name: str, where: dict) -> str:
     """The event's name: phase, operation, then its place in sorted order (``fwd block layer=1 microbatch=0``)."""
     return " ".join([phase, name, *(f"{k}={v}" for k, v in sorted(where.items()))])

@@ -47,6 +47,9 @@ def pytest_addoption(parser):
                     help="the edit loop: of each component and implementation, a few cells on its smallest mesh of "
                          "more than one rank, covering every dtype and switch value, and no other test that needs "
                          "the rank pool; the full matrix stays the gate")
+    group.addoption("--explore", type=int, default=0, metavar="N",
+                    help="instead of running the selected cells, explore each of their (component, implementation) "
+                         "pairs with up to N configs hypothesis draws (harness.explore)")
 
 
 def _usage(option: str, value, why: str) -> pytest.UsageError:
@@ -142,6 +145,12 @@ def pytest_configure(config):
         raise _usage("--backend", opt("--backend"), str(error)) from None
     _check_implementations()
     _start_torchrun(config)
+    if opt("--explore"):
+        if opt("--explore") < 1 or launched_by_torchrun():
+            raise _usage("--explore", opt("--explore"), "needs N >= 1 configs per target, and the warm pool (not torchrun)")
+        from .explore.pytest_entry import ExplorePlugin
+
+        config.pluginmanager.register(ExplorePlugin(), "paritytest-explore")
 
 
 @pytest.hookimpl(trylast=True)  # after junitxml's pytest_configure has made its writer
@@ -355,6 +364,7 @@ def parity(request, rank_pool, pytestconfig):
     from .cell import Divergence, run_cell, run_pieces
     from .golden.store import GoldenError
     from .layout import AssemblyError
+    from .model.record import model_record
     from .registry import validate
 
     opt = pytestconfig.getoption
@@ -409,7 +419,8 @@ def parity(request, rank_pool, pytestconfig):
                                rerun=rerun_command(pytestconfig, request.node.nodeid))
         except Divergence as error:
             record["kind"] = error.kind
-            record.update(_worst(error.report))
+            # a declared divergence (strict xfail) does not pay for the per-module re-run
+            record.update(_worst(error.report), **model_record(cfg, error.report, None if "expected" in record else pool))
             return str(error), None
         except (CaseFailure, AssemblyError) as error:  # a hang or crash reruns the same way a mismatch does
             record["kind"] = getattr(error, "kind", type(error).__name__)
@@ -419,7 +430,8 @@ def parity(request, rank_pool, pytestconfig):
             return str(error), None
         finally:
             record["seconds"] = round(time.perf_counter() - start, 4)
-        record.update(_worst(outcome.parity), status="passed", golden=outcome.golden_status, moved=outcome.moved)
+        record.update(_worst(outcome.parity), status="passed", golden=outcome.golden_status, moved=outcome.moved,
+                      **model_record(cfg, outcome.parity))
         return None, outcome
 
     def _on_ranks(cfg: Config, component, runner, record: dict, start: float):

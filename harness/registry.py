@@ -20,10 +20,15 @@ from .config import Config, ConfigError
 
 
 def _load(path: str):
+    """Import ``"package.module:name"``; ``name`` may be dotted (``"mypkg.cases:CASE.run"``, a
+    model case's bound method), as the rank processes resolve it."""
     module, sep, name = path.partition(":")
     if not sep or not name:
         raise ValueError(f"{path!r} is not of the form 'package.module:function'")
-    return getattr(importlib.import_module(module), name)
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 @dataclass(frozen=True)
@@ -37,12 +42,28 @@ class Implementation:
     # "module:function" returning why a config is known to diverge (the upstream behaviour), or None:
     # such cells run as strict xfail, so a fix upstream fails them with "remove this entry"
     xfail: str | None = None
+    # "module:function" raising ConfigError for configs this implementation does not support (a
+    # TP-only plan on a dp mesh): such cells are invalid for it, not skipped
+    validate: str | None = None
 
     def skip_reason(self, cfg: Config) -> str | None:
         return _load(self.skip)(cfg) if self.skip else None
 
     def xfail_reason(self, cfg: Config) -> str | None:
         return _load(self.xfail)(cfg) if self.xfail else None
+
+
+@dataclass(frozen=True)
+class Space:
+    """What exploration (``python -m harness.explore``) may draw for a component's configs, beyond
+    what its rules (``validate``) decide: the mesh dims a cell may name, each size's range, the
+    values of switches that ``Component.simplest`` does not order, and the dtypes. Meshes go up to
+    the pool size; whatever the ranges allow but the rules reject is never run."""
+
+    dims: tuple[str, ...]  # mesh dim names a cell may use (any subset, any order the rules accept)
+    sizes: dict[str, tuple[int, int]]  # size key -> (smallest, largest) value to draw
+    switches: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key -> every value
+    dtypes: tuple[str, ...] = ("fp32", "bf16")
 
 
 @dataclass
@@ -60,6 +81,15 @@ class Component:
     # For bisect: each switch's values, simplest first (a switch not named here is never changed).
     # Sizes are halved and mesh degrees lowered while the component's rules accept the config.
     simplest: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # "module:function", (cfg, pool, report) -> text added under a failing cell's table (whole
+    # models: the first diverging module and parameter gradient), or ""
+    explain: str | None = None
+    # For exploration: the space its configs are drawn from (None: it cannot be explored yet)
+    space: Space | None = None
+
+    def switch_values(self) -> dict[str, tuple[str, ...]]:
+        """Every value of every switch: ``simplest``'s order where it gives one, else ``space``'s."""
+        return {**(self.space.switches if self.space else {}), **self.simplest}
 
     def check(self, cfg: Config) -> None:
         if cfg.impl not in self.implementations:
@@ -68,6 +98,19 @@ class Component:
                 f"registered: {', '.join(sorted(self.implementations))}"
             )
         _load(self.validate)(cfg)
+        own = self.implementations[cfg.impl].validate
+        if own:
+            _load(own)(cfg)
+
+    def explanation(self, cfg: Config, pool, report) -> str:
+        """What the component adds under a failing cell's table (its ``explain``), never raising:
+        the failure itself is the verdict."""
+        if not self.explain:
+            return ""
+        try:
+            return _load(self.explain)(cfg, pool, report)
+        except Exception as error:  # noqa: BLE001  an explanation that fails must not hide the failure
+            return f"(no explanation: {type(error).__name__}: {error})"
 
     def reference_result(self, cfg: Config):
         return _load(self.reference)(cfg)
@@ -91,15 +134,18 @@ _REGISTERED: list[tuple[str, str]] = []  # (component, implementation) added by 
 
 
 def register_implementation(component: str, name: str, run: str, skip: str | None = None,
-                            omits: tuple[str, ...] = (), xfail: str | None = None) -> None:
+                            omits: tuple[str, ...] = (), xfail: str | None = None,
+                            validate: str | None = None) -> None:
     """Add (or replace) implementation ``name`` of ``component``; ``run`` is imported on the ranks.
 
     ``run`` and ``skip`` are ``"module:function"`` paths importable in this environment (the
     plugin checks them once, before any cell runs); ``omits`` names reference results the
     implementation cannot produce; ``xfail`` (``"module:function"``, cfg -> reason or None) declares
-    the cells it is known to get wrong (the ``parity`` fixture runs them as strict xfail).
+    the cells it is known to get wrong (the ``parity`` fixture runs them as strict xfail);
+    ``validate`` (``"module:function"``, cfg -> None, raising :class:`ConfigError`) declares the
+    configs it supports: the others are invalid for it (reported before any rank runs), not skipped.
     """
-    get(component).implementations[name] = Implementation(name, run, skip, tuple(omits), xfail)
+    get(component).implementations[name] = Implementation(name, run, skip, tuple(omits), xfail, validate)
     _REGISTERED.append((component, name))
 
 
@@ -108,7 +154,8 @@ def unresolved() -> list[str]:
     problems = []
     for component, name in dict.fromkeys(_REGISTERED):
         impl = COMPONENTS[component].implementations.get(name)
-        for what, path in (("run", impl.run), ("skip", impl.skip), ("xfail", impl.xfail)) if impl else ():
+        for what, path in (("run", impl.run), ("skip", impl.skip), ("xfail", impl.xfail),
+                           ("validate", impl.validate)) if impl else ():
             if path is None:
                 continue
             try:
@@ -146,7 +193,7 @@ def modules(cfgs=None) -> list[str]:
         paths += [component.reference, component.validate, component.reduction]
         paths += [component.meshes] if component.meshes else []
         for impl in impls:
-            paths += [impl.run] + [p for p in (impl.skip, impl.xfail) if p]
+            paths += [impl.run] + [p for p in (impl.skip, impl.xfail, impl.validate) if p]
     return sorted({path.partition(":")[0] for path in paths})
 
 

@@ -51,7 +51,7 @@ from harness.context import RankContext
 from harness.events import At
 from harness.layout import Piece, Shard, take
 from reference.common import grad_name, param_name, probe_loss, sgd_step
-from reference.moe import AUX_WEIGHT, EXPERT_PARAMS, capacity, make_problem, probs_of, scores_of, swiglu
+from reference.moe import AUX_WEIGHT, EXPERT_PARAMS, capacity, has_aux, make_problem, probs_of, scores_of, swiglu
 
 from .collectives import (all_reduce_, all_to_all_rows, copy_to_group, gather_from_group, group_rank, group_size,
                           reduce_from_group, split_to_group)
@@ -93,6 +93,11 @@ def layout(cfg: Config) -> Layout:
                           + ("" if emesh == "dense" else "; the expert mesh is named by emesh"))
     if emesh == "dense":
         return Layout(cfg.mesh, "ep", False, cfg.degree("ep"), cfg.degree("etp"), 1)
+    if [name for name, _ in cfg.mesh] == ["tp", "dp"]:
+        # the expert mesh is laid over dp x tp row-major (Shard inner factors in expert_placements);
+        # tp outermost gave wrong expert gradients (found by harness.explore: tp2.dp2 emesh_ep2)
+        raise ConfigError(f"moe cells with emesh_{emesh} take dp before tp (dp outermost, as a trainer's dense "
+                          f"mesh lays them out), got {','.join(f'{n}={d}' for n, d in cfg.mesh)}")
     ep, etp = int(m.group(1)), int(m.group(2) or 1)
     dp, tp, world = cfg.degree("dp"), cfg.degree("tp"), cfg.world
     if ep < 1 or etp < 1:
@@ -120,9 +125,10 @@ def validate(cfg: Config) -> None:
     """Rules of the moe component, checked before any rank runs."""
     lay = layout(cfg)
     score, norm, route, cap = (cfg.switch(k) for k in ("score", "norm", "route", "cap"))
-    if score not in SCORES or norm not in ("on", "off") or route not in ROUTES:
-        raise ConfigError(f"moe switches: score in {SCORES}, norm in (on, off), route in {ROUTES}; "
-                          f"got score={score} norm={norm} route={route}")
+    aux = dict(cfg.switches).get("aux", "on")
+    if score not in SCORES or norm not in ("on", "off") or route not in ROUTES or aux not in ("on", "off"):
+        raise ConfigError(f"moe switches: score in {SCORES}, norm in (on, off), route in {ROUTES}, aux in (on, off) "
+                          f"(optional, default on); got score={score} norm={norm} route={route} aux={aux}")
     e, k = cfg.size("e"), cfg.size("k")
     if e % lay.ep:
         raise ConfigError(f"e={e} experts do not split over ep={lay.ep}: each ep rank holds whole experts, "
@@ -337,7 +343,8 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     out = gather_from_group(out_m, 0, tp, x.shape[0]) if lay.split_tp else out_m
     probe = take(problem.probe, batch, ctx.degree(lay.token_dim), ctx.coord(lay.token_dim))
     main = probe_loss(out, probe, problem.tokens)  # complete over tp (out is gathered), partial over the batch
-    (main + AUX_WEIGHT * aux).backward()
+    weight = AUX_WEIGHT if has_aux(cfg) else 0.0  # aux_off: a layer without a load-balancing loss
+    (main + weight * aux).backward()
 
     # the router saw this rank's tokens only; experts' gradients are complete within an ep group
     for group in token_groups:
@@ -355,14 +362,15 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     on_tokens = {lay.token_dim: batch}
     pieces = {
         "out": Piece.sharded(out, (t, h), **on_tokens),
-        "aux": Piece.full(aux),
-        "loss": Piece.full(main + AUX_WEIGHT * aux),
+        "loss": Piece.full(main + weight * aux),
         "route": Piece.sharded(route.float(), (t, k), **on_moe_tokens),
         "dropped": Piece.sharded(dropped.float(), (t, k), **on_moe_tokens),
         grad_name("x"): Piece.sharded(x.grad, (t, h), **on_tokens),
         grad_name("router"): Piece.full(params["router"].grad),
         param_name("router"): Piece.full(params["router"]),
     }
+    if has_aux(cfg):
+        pieces["aux"] = Piece.full(aux)
     for name in EXPERT_PARAMS:
         where = expert_placements(cfg, name)
         pieces[grad_name(name)] = Piece.sharded(params[name].grad, problem.params[name].shape, **where)

@@ -46,7 +46,7 @@ from harness.config import Config
 from harness.context import RankContext
 from harness.layout import Piece, Shard, take
 from reference.common import grad_name, param_name, probe_loss, sgd_step
-from reference.moe import AUX_WEIGHT, make_problem
+from reference.moe import AUX_WEIGHT, has_aux, make_problem
 
 from .collectives import all_reduce_, gather_from_group
 from .moe import expert_placements, layout
@@ -105,9 +105,12 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     out, logits, route = forward(block, x)
     probe = take(problem.probe, batch, degree, coord)
     main = probe_loss(out, probe, problem.tokens)  # partial over the token ranks
-    every = gather_from_group(logits, 0, tokens_group, problem.tokens)  # backward: this rank's rows
-    aux = load_balancing_loss_func((every,), e, k) / k
-    (main + AUX_WEIGHT * aux).backward()
+    loss = main
+    if has_aux(cfg):  # aux_off: the block alone, as transformers ships it (the aux loss is the CausalLM head's)
+        every = gather_from_group(logits, 0, tokens_group, problem.tokens)  # backward: this rank's rows
+        aux = load_balancing_loss_func((every,), e, k) / k
+        loss = main + AUX_WEIGHT * aux
+    loss.backward()
 
     router = block.gate.weight
     experts = {"gate_up_proj": block.experts.gate_up_proj, "down_proj": block.experts.down_proj}
@@ -115,7 +118,7 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     grads = {name: p.grad.to_local() for name, p in experts.items()}
     all_reduce_([router.grad], tokens_group)  # each rank saw its tokens only
     all_reduce_(list(grads.values()), edp)  # complete within an ep group; copies over efsdp
-    main, aux = main.detach().clone(), aux.detach()
+    main = main.detach().clone()
     all_reduce_([main], tokens_group)
     with torch.no_grad():
         for name, p in local.items():
@@ -127,13 +130,12 @@ def run(ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     on_tokens = {lay.token_dim: batch}
     pieces = {
         "out": Piece.sharded(out, (t, h), **on_tokens),
-        "aux": Piece.full(aux),
-        "loss": Piece.full(main + AUX_WEIGHT * aux),
+        "loss": Piece.full(main + AUX_WEIGHT * aux.detach()) if has_aux(cfg) else Piece.full(main),
         "route": Piece.sharded(route.float(), (t, k), **on_tokens),
         grad_name("x"): Piece.sharded(x.grad, (t, h), **on_tokens),
         grad_name("router"): Piece.full(router.grad),
         param_name("router"): Piece.full(router),
-    }
+    } | ({"aux": Piece.full(aux.detach())} if has_aux(cfg) else {})
     split = {"w_gate": ("gate_up_proj", slice(0, f)), "w_up": ("gate_up_proj", slice(f, 2 * f)),
              "w_down": ("down_proj", slice(None))}
     for name, (module_param, rows) in split.items():

@@ -35,6 +35,8 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "S
 
 
 def skip_reason(cfg: Config) -> str | None:
+    if "pp" not in cfg.dims:  # found by harness.explore: without one, the stage group was the whole world
+        return "torch.distributed.pipelining takes its stage group from the mesh's pp dim: name one (pp=1 for none)"
     if cfg.degree("pp") == 1 and cfg.size("vs") > 1 and tied(cfg):
         # measured: grad/emb norm ratio 0.69 (= (1/m + 1/m^2) / (2/m) at m=2), every element off
         return ("torch's schedules divide each stage's gradients by m separately (PipelineStage.scale_grads): "

@@ -157,6 +157,8 @@ def hf_moe_skip(cfg: Config) -> str | None:
     if cfg.switch("cap") != "none":
         return about("transformers", "its expert parallelism is dropless: no capacity factor (AllToAllEP sends "
                 "every (token, expert) pair, AllReduceEP runs every route)")
+    if cfg.switch("score") != "softmax" and dict(cfg.switches).get("aux", "on") == "off":
+        return about("transformers", "its Qwen3MoeTopKRouter routes with a softmax only (no sigmoid scores)")
     if cfg.switch("score") != "softmax":
         return about("transformers", "it pairs its Switch aux loss (load_balancing_loss_func, which takes the "
                 "softmax of the logits) only with softmax routers; its sigmoid routers (DeepSeek-V3) balance with a bias, no aux loss")

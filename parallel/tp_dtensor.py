@@ -26,6 +26,8 @@ from .tp import BATCH, INPUT_PLAN, OUTPUT_PLAN, local_batch
 
 def skip_reason(cfg: Config) -> str | None:
     op, tp = cfg.switch("op"), cfg.degree("tp")
+    if "tp" not in cfg.dims:  # found by harness.explore: a dp-only mesh raised KeyError in DeviceMesh["tp"]
+        return "the DTensor plans are laid over the mesh's tp dim: name one (tp=1 for none)"
     if op == "gateup":
         return "DTensor has no placement for packed gate/up weights (each rank holding its chunk of both halves)"
     # Plans that take an input already sharded wrap it with DTensor.from_local, which infers the
@@ -34,6 +36,9 @@ def skip_reason(cfg: Config) -> str | None:
     if uneven and cfg.size(uneven) % tp:
         return (f"DTensor.from_local assumes even shards: {op} input split unevenly "
                 f"({uneven}={cfg.size(uneven)} over tp={tp}) is given the wrong global size")
+    if op == "sp" and cfg.size("f") % tp:  # found by harness.explore: tp2 f17 raised in sharding propagation
+        return (f"DTensor's sharding propagation fails for the sequence-parallel MLP with f={cfg.size('f')} "
+                f"split unevenly over tp={tp} (aten.addmm of uneven Shard(1) and Shard(0))")
     return None
 
 

@@ -9,9 +9,14 @@ Written as a plain loop over experts, so that it can be checked by eye::
     out[i] = sum over chosen j, kept: gates[i, j] * expert_{route[i, j]}(x[i])
     expert_e(x) = (silu(x Wg_e^T) * (x Wu_e^T)) Wd_e^T           SwiGLU: Wg, Wu [e, f, h], Wd [e, h, f]
     aux = e * sum_e frac_e * prob_e                              Switch-style load balancing
-    loss = probe_loss(out) + AUX_WEIGHT * aux
+    loss = probe_loss(out) + AUX_WEIGHT * aux                     aux_off: loss = probe_loss(out), no aux result
 
 The gradient reaches the router through the gates (in ``out``) and through ``prob_e`` (in ``aux``).
+
+Switch ``aux`` (optional; absent = ``on``): ``aux_off`` is a layer without a load-balancing loss (a
+choice of the model, as transformers' MoE blocks make: their aux loss lives in the ``*ForCausalLM``
+head and only with ``output_router_logits``): the loss is the probe loss alone and there is no
+``aux`` result, so a layer that has none is compared rather than failed for a missing term.
 
 Capacity (switch ``cap``: ``none`` = dropless, else the capacity factor in percent): every expert
 takes at most ``C = ceil(cap/100 * t * k / e)`` of the token slots (token, choice) routed to it,
@@ -89,6 +94,11 @@ def make_problem(cfg: Config) -> Problem:
     return Problem(x.to(dtype), {k: v.to(dtype) for k, v in params.items()}, probe, t)
 
 
+def has_aux(cfg: Config) -> bool:
+    """Whether the layer adds its Switch aux loss to the loss (switch ``aux``, absent = on)."""
+    return dict(cfg.switches).get("aux", "on") == "on"
+
+
 def capacity(cfg: Config) -> int | None:
     """Slots each expert takes over the global batch (None: dropless)."""
     cap = cfg.switch("cap")
@@ -152,7 +162,11 @@ def reference(cfg: Config) -> dict[str, torch.Tensor]:
     params = {k: problem.params[k].double().requires_grad_() for k in PARAMS}
     x = problem.x.double().requires_grad_()
     result = moe(cfg, x, params)
-    loss = probe_loss(result["out"], problem.probe.double(), problem.tokens) + AUX_WEIGHT * result["aux"]
+    loss = probe_loss(result["out"], problem.probe.double(), problem.tokens)
+    if has_aux(cfg):
+        loss = loss + AUX_WEIGHT * result["aux"]
+    else:
+        del result["aux"]  # a layer without an aux loss has no such result
     loss.backward()
     result = {name: t.detach() for name, t in result.items()}
     result.update({"loss": loss.detach(), grad_name("x"): x.grad})

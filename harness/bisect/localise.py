@@ -83,6 +83,8 @@ class Localisation:
     result_ok: bool | None = None  # whether this run's end result matched the reference
     unrecorded: list[str] = field(default_factory=list)  # reference events the implementation lacks
     uncompared: list[Finding] = field(default_factory=list)
+    # with complete=True: every event, compared or not, in the reference's order (the report's heatmap)
+    findings: list[Finding] = field(default_factory=list)
 
     def summary(self) -> str:
         if self.implementation_events == 0:
@@ -121,8 +123,9 @@ class Localisation:
                 "unrecorded": self.unrecorded[:20]}
 
 
-def localise(cfg: Config, pool: Pool) -> Localisation:
-    """Record the reference's and the implementation's events for ``cfg`` and find the divergence."""
+def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
+    """Record the reference's and the implementation's events for ``cfg`` and find the divergence.
+    ``complete``: compare every event (kept in ``findings``) instead of stopping where it starts."""
     component = validate(cfg, pool.size)
     with events.recording() as log:
         component.reference_result(cfg)
@@ -149,15 +152,23 @@ def localise(cfg: Config, pool: Pool) -> Localisation:
             found.unrecorded.append(want.key)
             continue
         finding = Finding(want.key)
+        if complete:
+            found.findings.append(finding)
         try:
             for role in ("inputs", "outputs"):
                 expected = {n: p.tensor for n, p in getattr(want, role).items()}
                 got = {n: assemble(f"{want.key} {n}", {r: getattr(e, role)[n] for r, e in ranks.items()
                                                         if n in getattr(e, role)}, layout, every_rank=False)
                        for n in expected if any(n in getattr(e, role) for e in ranks.values())}
-                getattr(finding, role).extend(compare(got, expected, tol).rows)
+                # a tensor no rank recorded (one a rank cannot place on the mesh) is not compared:
+                # its absence says nothing about the numbers
+                getattr(finding, role).extend(compare(got, {n: expected[n] for n in got}, tol).rows)
         except AssemblyError as error:
             finding.note = str(error)
+            found.uncompared.append(finding)
+            continue
+        if not finding.inputs and not finding.outputs:
+            finding.note = "no rank recorded a tensor of it that can be placed on the mesh"
             found.uncompared.append(finding)
             continue
         found.compared += 1
@@ -167,6 +178,6 @@ def localise(cfg: Config, pool: Pool) -> Localisation:
             found.last_matching = finding.key
         if finding.starts_here and found.origin is None:
             found.origin = finding
-        if found.origin is not None:
+        if found.origin is not None and not complete:
             break
     return found

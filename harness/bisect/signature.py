@@ -12,6 +12,7 @@ A signature is a kind and the tensors that fail:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..compare.diff import Report
@@ -50,6 +51,8 @@ class Signature:
 def whole_factor(ratio: float, tolerance: float = 0.02) -> int | None:
     """``k`` when ``ratio`` or ``1/ratio`` is within 2% of a whole number ``k >= 2``, else None."""
     for value in (ratio, 1 / ratio if ratio else 0.0):
+        if not math.isfinite(value):  # a reference of norm 0 gives an infinite ratio: no factor
+            continue
         k = round(value)
         if k >= 2 and abs(value - k) <= tolerance * k:
             return k

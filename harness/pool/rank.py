@@ -177,10 +177,38 @@ def build_meshes(meshes: dict, wanted, backend: str) -> None:
     from .backend import device_type
 
     for dims in wanted:
-        if dims not in meshes:
+        if dims in meshes:
+            continue
+        spec = layout_of(dims)
+        if spec is not None:  # a model cell's harness.meshes layout
+            meshes[dims] = model_meshes(spec, backend)
+        else:
             shape = MeshLayout.of(dims)
             ranks = torch.arange(shape.world).view(shape.shape)
             meshes[dims] = DeviceMesh(device_type(backend), ranks, mesh_dim_names=shape.names)
+
+
+def layout_of(dims):
+    """The :class:`harness.meshes.MeshSpec` an extra mesh stands for (a model cell's), or None."""
+    from ..model.rules import from_marker
+
+    return from_marker(dims)
+
+
+def model_meshes(spec, backend: str):
+    """Every rank builds the dense, sparse and flattened meshes of ``spec``, laid as side-by-side
+    copies over the whole world (the groups are made over it; a rank beyond the cell's world
+    holds a copy and stays idle)."""
+    import torch.distributed as dist
+
+    from ..meshes.device_mesh import build
+    from .backend import device_type
+
+    world = dist.get_world_size()
+    if world % spec.world:
+        raise RuntimeError(f"a model cell's mesh of {spec.world} ranks does not tile the {world} ranks there are: "
+                           f"run model cells with a number of ranks that {spec.world} divides (--pool-size)")
+    return build(spec, device_type(backend), copies=world // spec.world)
 
 
 def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
@@ -199,6 +227,7 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
     from ..context import RankContext
     from ..layout import MeshLayout
     from .backend import rank_device
+    from .groups import share_groups
 
     torch.set_num_threads(1)
     conn = Connection(fd)
@@ -207,6 +236,7 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
     _, port = pickle.loads(conn.recv_bytes())  # ("port", p): where the zygote's store listens
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    share_groups()
     _send(conn, ("ready", rank))
     meshes: dict = {}  # dims -> DeviceMesh, built by build_meshes
     functions: dict[str, object] = {}

@@ -10,7 +10,8 @@ writes to ``--out``:
   golden drift, each divergence with its table and its reproduce command, skip reasons grouped;
   appended to ``--step-summary`` (in CI ``$GITHUB_STEP_SUMMARY``), else printed to stdout;
 * ``heatmap-<component>.png``: worst err/tol over mesh x (dtype, switches), failures marked;
-* ``report.html``: both in one self-contained page (the PNGs embedded), for the artifact.
+* ``losses-<model>.png`` and ``modules-<cell>.png`` for whole-model cells (``harness/report/models.py``);
+* ``report.html``: all of them in one self-contained page (the PNGs embedded), for the artifact.
 
 ``--annotate`` prints a GitHub ``::error`` workflow command per failing cell (file and line of its
 test function, the cell id in the title) to stdout, which the runner turns into PR annotations.
@@ -192,7 +193,7 @@ def _failure_text(case: TestCase) -> str:
 
 
 def summary(results: Results, golden_diff: str = "", heatmaps: dict[str, Path] | None = None,
-            for_html: bool = False) -> Doc:
+            for_html: bool = False, figures: dict[str, Path] | None = None) -> Doc:
     """The report as a document: headline first, so a red PR says so in its first screen."""
     doc = Doc()
     cells = results.cells
@@ -245,6 +246,15 @@ def summary(results: Results, golden_diff: str = "", heatmaps: dict[str, Path] |
         else:
             doc.para("worst err/tol over mesh × (dtype, switches), failures red: "
                      + ", ".join(f"`{p.name}`" for p in heatmaps.values()) + " in the `parity-report` artifact.")
+    if figures:
+        doc.heading(3, "Whole models")
+        if for_html:
+            for name, path in figures.items():
+                doc.image(path, name)
+        else:
+            doc.para("loss per step of the reference and of every mesh, and for each failing model cell its "
+                     "module × step err/tol: " + ", ".join(f"`{p.name}`" for p in figures.values())
+                     + " in the `parity-report` artifact.")
     skips = Counter((c.record["component"], c.skip_reason) for c in cells if c.record["status"] == "skipped")
     if skips:
         doc.heading(3, "Skipped, by reason")
@@ -302,17 +312,21 @@ def annotations(results: Results, root: Path = Path(".")) -> list[str]:
 
 # ---- the command -----------------------------------------------------------------------------
 def write_reports(results: Results, out: Path, golden_diff: str = "") -> dict[str, Path]:
-    """summary.md, heatmap-<component>.png and report.html under ``out``; returns their paths."""
+    """summary.md, heatmap-<component>.png, the model figures (``losses-<model>.png``,
+    ``modules-<cell>.png``) and report.html under ``out``; returns their paths."""
     from .heatmap import grid, render
+    from .models import write_figures
 
     out.mkdir(parents=True, exist_ok=True)
     heatmaps = {}
     for name, cases in results.components().items():
         heatmaps[name] = out / f"heatmap-{name}.png"
         render(grid(name, [c.record for c in cases]), heatmaps[name])
-    paths = {"summary": out / "summary.md", "html": out / "report.html", **{f"heatmap-{k}": v for k, v in heatmaps.items()}}
-    paths["summary"].write_text(summary(results, golden_diff, heatmaps).markdown())
-    paths["html"].write_text(summary(results, golden_diff, heatmaps, for_html=True).html("parity report"))
+    figures = write_figures({name: [c.record for c in cases] for name, cases in results.components().items()}, out)
+    paths = {"summary": out / "summary.md", "html": out / "report.html", **{f"heatmap-{k}": v for k, v in heatmaps.items()},
+             **figures}
+    paths["summary"].write_text(summary(results, golden_diff, heatmaps, figures=figures).markdown())
+    paths["html"].write_text(summary(results, golden_diff, heatmaps, for_html=True, figures=figures).html("parity report"))
     return paths
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..pool.backend import rank_device
 from ..pool.backend import resolve as resolve_backend
+from ..pool.groups import share_groups
 
 # How long a rank waits for the others at a store rendezvous that is not a cell (collection,
 # recovery): long enough for a loaded machine's slowest rank to import and collect.
@@ -91,6 +92,7 @@ class Session:
                                     device_id=self.device)
         else:
             dist.init_process_group(self.backend, store=pg_store, rank=env.rank, world_size=env.world, timeout=timeout)
+        share_groups()  # one group per rank set across the run's meshes, as in the pool's ranks
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         self.set(f"who/{env.rank}", {"host": env.host, "local_rank": env.local_rank, "node": env.node_rank,
                                      "pid": os.getpid()})

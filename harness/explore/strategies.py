@@ -1,0 +1,115 @@
+"""Hypothesis strategies of valid configs, derived from what a component declares.
+
+Nothing here names a component: the mesh dims, size ranges, switch values and dtypes come from
+its ``Space`` (and the switch order from ``Component.simplest``), validity from its rules
+(``validate``) and the pool size, and what an implementation cannot run here from its ``skip``.
+A component registered later, or a user's own implementation, is explored the same way.
+
+Random sizes rarely satisfy divisibility rules (a batch split over dp×m microbatches, layers over
+pp×vs stages), so a size is *constructed* as often as it is drawn plain: a multiple of a product
+of some mesh degrees and earlier sizes (``Space.sizes`` lists them in that order), which keeps the
+rejection rate low without knowing any rule; the plain draw keeps uneven sizes (tp=3 over f=7) in
+reach. Hypothesis shrinks toward the first of each choice: fewer and smaller mesh dims, the
+simplest switch values, fp32, small sizes, seed 0.
+"""
+from __future__ import annotations
+
+import math
+
+from hypothesis import strategies as st
+
+from ..config import Config, ConfigError
+from ..registry import Component, get, validate
+
+ATTEMPTS = 25  # drafts per drawn example before hypothesis is told the draw is invalid
+MAX_SEED = 2**16 - 1
+
+
+class NoSpace(ConfigError):
+    """The component declares nothing to explore."""
+
+
+def space_of(component: Component):
+    if component.space is None:
+        raise NoSpace(f"component {component.name!r} declares no exploration space: add "
+                      "space=Space(dims=..., sizes=..., switches=...) to its register_component(...)")
+    return component.space
+
+
+@st.composite
+def meshes(draw, dims: tuple[str, ...], pool_size: int) -> tuple[tuple[str, int], ...]:
+    """Up to three named dims in any order, degrees whose product fits the pool; a dim after the
+    first has a degree of 2 or more (a dim of 1 only renames the same cell)."""
+    names = draw(st.lists(st.sampled_from(dims), min_size=1, max_size=min(3, len(dims)), unique=True))
+    mesh, room = [], pool_size
+    for i, name in enumerate(names):
+        if i and room < 2:
+            break
+        degree = draw(st.integers(1 if not i else 2, max(1, room)))
+        mesh.append((name, degree))
+        room //= degree
+    return tuple(mesh)
+
+
+@st.composite
+def sizes(draw, ranges: dict[str, tuple[int, int]], mesh: tuple[tuple[str, int], ...]) -> dict[str, int]:
+    """Each size in its range: plain, or a multiple of some mesh degrees and earlier sizes."""
+    out: dict[str, int] = {}
+    for key, (lo, hi) in ranges.items():
+        factors = [d for _, d in mesh if d > 1] + [v for v in out.values() if v > 1]
+        chosen = [f for f in factors if draw(st.booleans())] if factors else []
+        unit = math.prod(chosen)
+        if unit > 1 and -(-lo // unit) * unit <= hi:
+            out[key] = unit * draw(st.integers(-(-lo // unit), hi // unit))
+        else:
+            out[key] = draw(st.integers(lo, hi))
+    return out
+
+
+def _draft(draw, component: Component, impl: str, pool_size: int) -> Config:
+    space = space_of(component)
+    mesh = draw(meshes(space.dims, pool_size))
+    switches = {key: draw(st.sampled_from(values)) for key, values in component.switch_values().items()}
+    dtype = draw(st.sampled_from(space.dtypes))
+    drawn = draw(sizes(space.sizes, mesh))
+    seed = draw(st.integers(0, MAX_SEED))
+    return Config(component.name, impl, mesh, dtype, drawn, switches, seed)
+
+
+def within(cfg: Config) -> bool:
+    """Is ``cfg`` inside its component's space (dims, dtype, size ranges, switch values)? Shrinking
+    outside it would reach sizes the space leaves out on purpose (numerics, not bugs)."""
+    component = get(cfg.component)
+    space, values = space_of(component), component.switch_values()
+    return (all(name in space.dims for name, _ in cfg.mesh) and cfg.dtype in space.dtypes
+            and all(key in space.sizes and space.sizes[key][0] <= v <= space.sizes[key][1] for key, v in cfg.sizes)
+            and all(v in values.get(key, (v,)) for key, v in cfg.switches))
+
+
+def runnable(cfg: Config, pool_size: int) -> str | None:
+    """None when ``cfg`` can run here, else why not: the rule it breaks, its implementation's skip,
+    or a divergence the implementation declares (``xfail``: known, so not worth finding again)."""
+    try:
+        component = validate(cfg, pool_size)
+        impl = component.implementations[cfg.impl]
+        known = impl.xfail_reason(cfg)
+        return impl.skip_reason(cfg) or (f"declared divergence: {known}" if known else None)
+    except ConfigError as error:
+        return str(error)
+
+
+@st.composite
+def configs(draw, component: str, impl: str, pool_size: int) -> Config:
+    """A config of ``component``/``impl`` that its rules accept, that fits ``pool_size`` ranks and
+    that the implementation neither skips here nor declares a known divergence."""
+    comp = get(component)
+    if impl not in comp.implementations:
+        raise ConfigError(f"no implementation {impl!r} of {component}; registered: "
+                          f"{', '.join(sorted(comp.implementations))}")
+    for _ in range(ATTEMPTS):
+        cfg = _draft(draw, comp, impl, pool_size)
+        if runnable(cfg, pool_size) is None:
+            return cfg
+    from hypothesis import reject
+
+    reject()

@@ -1,0 +1,180 @@
+"""What a user writes to check a whole model: :class:`ModelCase`, and :class:`Pipelined` for
+``parallelize`` functions that return a ``torch.distributed.pipelining`` schedule.
+
+A case is a plain value in the user's own module (``mypkg/cases.py: CASE = ModelCase(...)``); the
+rank processes import it by path, as they import implementations, so it must be a module global.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+# Applied to every parameter by the default optimizer. eps is large on purpose (as in
+# reference.common.ADAMW): with eps=1e-8 the first AdamW step is lr*sign(g), so rounding noise in a
+# near-zero gradient would move a parameter by a full lr in one run and not in the other.
+ADAMW = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-3, weight_decay=0.01)
+
+MIXED_PRECISION = ("autocast", "bf16")
+
+
+def default_forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+    """``model(batch["input"])``."""
+    return model(batch["input"])
+
+
+def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW with :data:`ADAMW`, single-tensor path (``foreach=False``: the same arithmetic on a
+    shard as on the whole tensor, so a sharded optimizer step is comparable element by element)."""
+    return torch.optim.AdamW(params, **ADAMW, foreach=False)
+
+
+@dataclass(frozen=True)
+class Pipelined:
+    """What a ``parallelize`` function returns for a pipelined model.
+
+    ``stages``: this rank's ``torch.distributed.pipelining.PipelineStage`` objects (one, or several
+    for interleaved schedules); their ``submod`` modules keep the full model's parameter names
+    (build each stage by deleting from the whole model what it does not run, as torchtitan does),
+    so parameters are matched to the reference by name. ``schedule``: the schedule built over those
+    stages with ``loss_fn=`` computing the loss of one microbatch as a *mean* (it is called as
+    ``loss_fn(output, target)``, ``target`` being ``batch[target]`` of that microbatch); the harness
+    calls ``schedule.step(batch[input], target=batch[target], losses=[...])`` on the stages that
+    take input / compute the loss, once per step, with this rank's slice of the global batch.
+    ``before_step``: called on every rank after each step's backward, before the optimizer step:
+    where a parameter the unpipelined model ties (embedding and output head) but two stages hold
+    as copies gets its gradients summed across them. The harness holds every copy of a tied
+    parameter to the reference's one parameter (copies that drift apart fail as ``replicas``).
+    """
+
+    stages: tuple
+    schedule: Any
+    input: str = "input"
+    target: str = "target"
+    before_step: Callable[[], None] | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "stages", tuple(self.stages) if isinstance(self.stages, (list, tuple))
+                           else (self.stages,))
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [stage.submod for stage in self.stages]
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """A model, its data and loss, and the functions that parallelize it; see README "Your own model".
+
+    * ``build()``: the model, in fp32. Called under the harness's seed, on every rank and in the
+      reference, so every call returns the same initial parameters (do not seed it yourself).
+    * ``batch(step)``: the **global** batch of step ``step`` (0-based) as a dict of tensors,
+      deterministic (seed a ``torch.Generator`` from ``step``). The harness splits every tensor on
+      dim 0 over the ``batch`` ranks (dp_replicate·dp_shard) and, when ``seq_dim`` is set, on that
+      dim over ``cp``; the global batch size must divide evenly.
+    * ``loss(output, batch)``: the scalar loss of ``batch`` as one process computes it, a mean over
+      its rows/tokens (each rank computes it on its own slice; the harness averages over the ranks
+      that hold different data, which is what data-parallel gradient averaging assumes).
+    * ``parallelize``: implementation name -> ``fn(model, meshes) -> nn.Module | Pipelined``, the
+      function you train with, given :class:`harness.meshes.Meshes` (``meshes.dense["tp"]``,
+      ``meshes.mesh("fsdp")``, ...). It may return the module it was given, changed in place.
+      A module's output may be a DTensor (``loss_parallel``): the loss then runs under
+      ``torch.distributed.tensor.parallel.loss_parallel()``.
+    * ``forward(model, batch)``: how the model is called (default ``model(batch["input"])``).
+    * ``optimizer(params)``: default :func:`default_optimizer` (AdamW, :data:`ADAMW`).
+    * ``steps``: optimizer steps of a cell when the cell does not say (ids carry ``steps<N>``).
+    * ``seq_dim``: the sequence dim of the batch tensors, split over ``cp`` (None: no cp).
+    * ``placements``: for parameters that are plain tensors sharded by hand (Megatron-style), where
+      each rank's piece sits: ``{"layers.*.fc1.weight": {"tp": Shard(0)}}`` (fnmatch patterns over
+      parameter names, mesh dims by their ``harness.meshes`` names, torch ``Shard``/``Replicate``).
+      Plain tensors not named are replicas, and the harness checks that every rank holds the same.
+    * ``reduction``: the tolerance policy's ``n`` for this model, when the derived one (README,
+      Tolerances: the largest Linear fan-in or the tokens the loss averages) does not fit.
+    * ``mixed_precision``: how bf16/fp16 cells run: ``"autocast"`` (fp32 parameters and optimizer,
+      forward under ``torch.autocast``) or ``"bf16"`` (the model cast to the cell's dtype before
+      ``parallelize``: parameters, gradients and optimizer state in it).
+    * ``supports``: implementation name -> ``fn(spec) -> str | None`` (``spec`` a
+      :class:`harness.meshes.MeshSpec`): why a mesh is not one that implementation can run (a
+      TP-only plan on a dp mesh), or None; such cells are invalid for it, not skipped.
+    * ``xfail``: implementation name -> ``fn(cfg) -> str | None``: why a cell is known to diverge
+      upstream; it runs as a strict xfail.
+    """
+
+    build: Callable[[], nn.Module]
+    batch: Callable[[int], dict[str, torch.Tensor]]
+    loss: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]
+    parallelize: dict[str, Callable[..., Any]]
+    forward: Callable[[nn.Module, dict[str, torch.Tensor]], Any] = default_forward
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = default_optimizer
+    steps: int = 3
+    seq_dim: int | None = None
+    placements: dict[str, dict[str, Any]] = field(default_factory=dict)
+    reduction: int | None = None
+    mixed_precision: str = "autocast"
+    supports: dict[str, Callable[[Any], str | None]] = field(default_factory=dict)
+    xfail: dict[str, Callable[[Any], str | None]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.parallelize:
+            raise ValueError("ModelCase.parallelize is empty: give at least one {'name': fn(model, meshes)}")
+        for name in self.parallelize:
+            if not re.fullmatch(r"[a-z0-9]+", name):
+                raise ValueError(f"ModelCase.parallelize name {name!r} must be lowercase letters and digits "
+                                 "(it is part of the cell id)")
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(f"ModelCase.mixed_precision={self.mixed_precision!r}: choose one of {MIXED_PRECISION}")
+        if self.steps < 1:
+            raise ValueError(f"ModelCase.steps={self.steps}: a model cell takes at least one optimizer step")
+
+    # ---- the Component's paths (register_model names these bound methods) -------------------------
+    def run(self, ctx, cfg):
+        """Rank task: train this rank's part of the cell; its pieces (harness.model.runner; a
+        ``reshard_<layout>`` cell: harness.model.reshard)."""
+        if "reshard" in dict(cfg.switches):
+            from .reshard import run as round_trip
+
+            return round_trip(self, ctx, cfg)
+        from .runner import run
+
+        return run(self, ctx, cfg)
+
+    def reference_result(self, cfg):
+        """The one-process fp64 result of the cell's problem (harness.model.reference)."""
+        from .reference import reference
+
+        return reference(self, cfg)
+
+    def check(self, cfg) -> None:
+        """The rules every model cell obeys (harness.model.rules)."""
+        from .rules import check
+
+        check(self, cfg)
+        if "reshard" in dict(cfg.switches):
+            from .reshard import check as check_reshard
+
+            check_reshard(self, cfg)
+
+    def check_impl(self, cfg) -> None:
+        """The configs ``cfg.impl`` supports (``supports``)."""
+        from .rules import check_impl
+
+        check_impl(self, cfg)
+
+    def reduction_size(self, cfg) -> int:
+        """The tolerance policy's ``n`` (``reduction``, or derived: harness.model.reference)."""
+        from .reference import reduction_size
+
+        return reduction_size(self, cfg)
+
+    def meshes(self, cfg) -> list:
+        """The harness.meshes layout the ranks build for ``parallelize`` (harness.model.rules)."""
+        from .rules import meshes
+
+        return meshes(cfg)
+
+    def xfail_reason(self, cfg) -> str | None:
+        known = self.xfail.get(cfg.impl)
+        return known(cfg) if known else None

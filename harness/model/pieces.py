@@ -1,0 +1,90 @@
+"""A rank's tensors as :class:`harness.layout.Piece` objects, placed on the cell's mesh.
+
+* a DTensor: its placements on its mesh, mapped to the cell's dims (a ``harness.meshes`` dim
+  ``dp_shard`` is the cell's ``dp``; a flattened one such as ``fsdp`` = dp_shard·cp is the one of
+  its dims with a degree above 1). The local shard itself goes back, so a wrong shard is reported
+  with the ranks that hold it. Placements a Piece cannot describe (``Partial``, FSDP2's strided
+  shards under TP, a flattened dim over two non-trivial dims, the expert mesh) fall back to
+  ``full_tensor()``, a replica on every rank;
+* a plain tensor: the placements the case declares for its name (``ModelCase.placements``),
+  else a replica (the parent checks that every rank holds the same values).
+
+``describe`` decides from placements and shapes alone, never from a rank's own data, so every rank
+of a mesh takes the same path and the fallback's collective is entered by all of them.
+"""
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Shard as DShard
+
+from ..layout import Piece, Shard
+from ..meshes.device_mesh import FLATTENED
+from .rules import ORDER, SHORT
+
+
+def _cell_dims(name: str, degrees: dict[str, int]) -> list[str] | None:
+    """The cell-mesh dims of degree above 1 that a mesh dim named ``name`` spans; None: unknown."""
+    longs = FLATTENED.get(name, (name,))
+    if any(long not in SHORT for long in longs):
+        return None
+    return [SHORT[long] for long in longs if degrees.get(SHORT[long], 1) > 1]
+
+
+def placements_of(names, placements, degrees: dict[str, int]) -> dict[str, Shard] | None:
+    """Mesh dim names and torch placements -> Piece placements on the cell's dims, or None when a
+    Piece cannot describe them."""
+    out: dict[str, Shard] = {}
+    last = {}  # tensor dim -> position in the cell's order of the last dim that sharded it
+    for name, placement in zip(names, placements):
+        if isinstance(placement, Replicate):
+            continue
+        if type(placement) is not DShard:  # Partial, _StridedShard, ...
+            return None
+        dims = _cell_dims(name, degrees)
+        if dims is None or len(dims) > 1:
+            return None
+        if not dims:
+            continue
+        dim = dims[0]
+        if dim in out:
+            return None
+        position = ORDER.index(dim)
+        if last.get(placement.dim, -1) > position:  # nested shards must apply in the cell's order
+            return None
+        last[placement.dim] = position
+        out[dim] = Shard(placement.dim)
+    return out
+
+
+def declared(name: str, patterns: dict[str, dict], degrees: dict[str, int]) -> dict[str, Shard]:
+    """The placements ``ModelCase.placements`` declares for the plain tensor ``name`` (empty: a replica)."""
+    for pattern, by_dim in patterns.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            found = placements_of(list(by_dim), list(by_dim.values()), degrees)
+            if found is None:
+                raise ValueError(f"ModelCase.placements[{pattern!r}] = {by_dim}: give Shard(d) or Replicate() "
+                                 "per harness.meshes dim (tp, dp_shard, ...), e.g. {'tp': Shard(0)}")
+            return found
+    return {}
+
+
+def describe(tensor: torch.Tensor, degrees: dict[str, int], plain: dict[str, Shard] | None = None,
+             *, gather: bool = True) -> Piece | None:
+    """``tensor`` as this rank's Piece. ``plain``: the placements of a plain tensor. ``gather``:
+    whether an undescribable DTensor may be gathered (a collective); else None is returned."""
+    if isinstance(tensor, DTensor):
+        placements = placements_of(tensor.device_mesh.mesh_dim_names or (), tensor.placements, degrees)
+        if placements is None:
+            if not gather:
+                return None
+            return Piece.full(tensor.full_tensor().detach().clone())
+        return Piece(tensor.to_local().detach().cpu().clone(), tuple(tensor.shape), placements)
+    if not plain:
+        return Piece.full(tensor.detach().clone())
+    shape = list(tensor.shape)
+    for dim, shard in plain.items():  # declared shards are even: the logical size is local x degree
+        shape[shard.dim] *= degrees[dim]
+    return Piece(tensor.detach().cpu().clone(), tuple(shape), dict(plain))

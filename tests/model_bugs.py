@@ -1,0 +1,63 @@
+"""Users' parallelize functions with planted bugs (tests/test_model_bugs.py), each a mistake a team
+makes in its own parallelize code, on models/titan.py's model. Never flags in production code: each
+bug is a different parallelize function registered as an implementation of the ``bugs`` model."""
+import torch.distributed as dist
+from torch.distributed.tensor.parallel import ColwiseParallel
+
+from harness.model import ModelCase
+from models import titan
+
+
+def wo_colwise(model, meshes):
+    """TP plan that shards the attention's ``wo`` colwise instead of rowwise."""
+    return titan.parallelize_stage(model, meshes, loss_parallel=True, plan=titan.block_plan(wo=ColwiseParallel()))
+
+
+def norm_without_sequence_parallel(model, meshes):
+    """TP plan that forgets ``SequenceParallel`` on the feed-forward norm."""
+    plan = titan.block_plan(sequence_parallel_norms=("attention_norm",))
+    return titan.parallelize_stage(model, meshes, loss_parallel=True, plan=plan)
+
+
+def hsdp_wrong_dims(model, meshes):
+    """HSDP whose FSDP2 mesh is built from the wrong dims: the shard dim alone, so the replicate
+    dim's gradients are never averaged (each replica trains on its half of the batch)."""
+    return titan.parallelize_stage(model, meshes, loss_parallel=True, hsdp_dims=("dp_shard",))
+
+
+def loss_over_world_twice(model, meshes):
+    """The loss divided by the world size for data parallelism by hand (on the gradient entering
+    the output head), while FSDP2 averages the gradients over the same ranks as well."""
+    world = meshes.spec.world
+    model.output.register_full_backward_pre_hook(lambda module, grad: (grad[0] / world,))
+    return titan.parallelize_stage(model, meshes, loss_parallel=True)
+
+
+BUGS = ModelCase(build=titan.Transformer, batch=titan.batch, loss=titan.loss, parallelize={
+    "wocol": wo_colwise, "nosp": norm_without_sequence_parallel, "hsdpdims": hsdp_wrong_dims,
+    "lossworld": loss_over_world_twice})
+
+
+# ---- a tied embedding across pipeline stages --------------------------------------------------------
+def tied_pipeline(model, meshes, sync: bool = True):
+    """1F1B over pp=2 of the tied model: the embedding on stage 0 and the head on stage 1 are copies
+    of one parameter, whose gradients must be summed over the two stages before every step."""
+    made = titan.pipeline(model, meshes, interleaved=False)
+    module = made.modules[0]
+    tied = module.tok_embeddings.weight if module.tok_embeddings is not None else module.output.weight
+
+    def sum_tied_gradients():
+        dist.all_reduce(tied.grad, group=meshes.group("pp"))
+
+    return titan.Pipelined(made.stages, made.schedule, before_step=sum_tied_gradients if sync else None)
+
+
+def untied_pipeline(model, meshes):
+    """The same pipeline whose tied embedding is not tied: no gradient sum across the stages."""
+    return tied_pipeline(model, meshes, sync=False)
+
+
+TIED = ModelCase(build=lambda: titan.Transformer(tied=True), batch=titan.batch, loss=titan.loss,
+                 parallelize={"tied": tied_pipeline, "untied": untied_pipeline},
+                 supports={name: lambda spec: None if spec.pp == 2 and spec.world == 2 else "pp=2 only"
+                           for name in ("tied", "untied")})

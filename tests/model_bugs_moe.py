@@ -1,0 +1,28 @@
+"""A user's expert-parallel plan with a planted bug (tests/test_model_bugs_moe.py), on transformers'
+tiny Qwen3-MoE (models/qwen3moe_hf.py). Never a flag in production code: the bug is a parallelize
+function of its own, registered as the ``noexpsum`` implementation of the ``qwen3moebug`` model."""
+import dataclasses
+
+from torch.distributed.fsdp import fully_shard
+
+from models import qwen3moe_hf
+
+
+def ep_without_expert_sum(model, meshes):
+    """transformers' EP plan (all_to_all) by hand, FSDP2 over dp_shard for everything but the experts,
+    which are left out of it (``ignored_params``) and so never summed over their copies (efsdp): each
+    copy of an expert steps on the gradient of the tokens its own ep group routed to it."""
+    from models.hf import DistributedConfig
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    spec = meshes.spec
+    _, ep_plan, _ = model._resolve_parallel_plans(DistributedConfig(ep_size=spec.ep, fsdp_size=spec.dp_shard))
+    apply_expert_parallelism(model, meshes.sparse["ep"], meshes.dense["tp"], ep_plan, ep_implementation="all_to_all")
+    experts = {p for name, p in model.named_parameters() if ".mlp.experts." in name}
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=meshes.mesh("fsdp"), ignored_params=experts)
+    fully_shard(model, mesh=meshes.mesh("fsdp"), ignored_params=experts)
+    return model
+
+
+NOEXPSUM = dataclasses.replace(qwen3moe_hf.CASE, parallelize={"noexpsum": ep_without_expert_sum}, supports={})

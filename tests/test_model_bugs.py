@@ -1,0 +1,35 @@
+"""Planted bugs in users' parallelize functions (tests/model_bugs.py): each cell is red, and the
+failure names the module (or the parameter's module) where the numbers part."""
+import pytest
+
+from harness.cell import Divergence, run_cell
+from harness.model import model_cells, register_model
+from harness.pool.parent import CaseFailure
+
+register_model("bugs", "tests.model_bugs:BUGS")
+register_model("tied", "tests.model_bugs:TIED")
+
+# (cell, what the failure must name)
+BUGS = [
+    (model_cells("bugs", impls=["wocol"], meshes=["tp=2"])[0], "in module layers.0.attention.wo"),
+    (model_cells("bugs", impls=["nosp"], meshes=["tp=2"])[0], "layers.1.ffn_norm.weight (module layers.1.ffn_norm"),
+    (model_cells("bugs", impls=["hsdpdims"], meshes=["rep=2,dp=2"])[0],
+     "first diverging parameter gradients (step 1, in backward order): output.weight (module output: replicas"),
+    (model_cells("bugs", impls=["lossworld"], meshes=["dp=2"])[0],
+     "first diverging module: output (input gradient, step 1"),
+    (model_cells("tied", impls=["untied"], meshes=["pp=2"])[0], "tok_embeddings.weight (module tok_embeddings"),
+]
+
+
+@pytest.mark.parametrize("cell, names", BUGS, ids=[cfg.id for cfg, _ in BUGS])
+def test_a_planted_bug_is_red_and_names_where_it_starts(cell, names, rank_pool):
+    with pytest.raises((Divergence, CaseFailure)) as caught:
+        run_cell(cell, rank_pool)
+    message = str(caught.value)
+    print(message)  # the failure a user reads (pytest -s shows it)
+    assert names in message, message
+
+
+@pytest.mark.parametrize("cell", model_cells("tied", impls=["tied"], meshes=["pp=2"]), ids=str)
+def test_the_same_pipeline_with_its_tied_gradients_summed_matches(cell, rank_pool):
+    run_cell(cell, rank_pool)

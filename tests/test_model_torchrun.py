@@ -1,0 +1,57 @@
+"""Model cells under torchrun (one pytest process per rank) get the verdicts the pool gives: a
+passing titan cell of each kind (TP × FSDP2, HSDP, 1F1B pipeline × FSDP2, interleaved pipeline) and a
+planted bug, from a project of their own, compared test by test through the junit XML."""
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.test_torchrun import env_for, outcomes, private_tmpdir, torchrun  # noqa: F401  (autouse fixture)
+
+CONFTEST = '''
+from harness.model import register_model
+
+register_model("bugs", "tests.model_bugs:BUGS")
+'''
+TESTS = '''
+import pytest
+
+from harness.model import model_cells
+
+CELLS = (model_cells("titan", impls=["titan"], meshes=["dp=2,tp=2", "rep=2,dp=2", "pp=2,dp=2"])
+         + model_cells("titan", impls=["interleaved"], meshes=["pp=2"])
+         + model_cells("bugs", impls=["lossworld"], meshes=["dp=2"]))
+
+
+@pytest.mark.parametrize("cfg", CELLS, ids=str)
+def test_model(cfg, parity):
+    parity(cfg)
+'''
+
+
+@pytest.mark.slow
+def test_model_cells_under_torchrun_get_the_pool_verdicts(tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "conftest.py").write_text(CONFTEST)
+    (project / "test_models_here.py").write_text(TESTS)
+    (project / "pytest.ini").write_text("[pytest]\n")
+    pool_xml, torchrun_xml = tmp_path / "pool.xml", tmp_path / "torchrun.xml"
+    start = time.perf_counter()
+    pool = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pool-size", "4",
+                           "--case-deadline", "120", "--junitxml", str(pool_xml), "-q"],
+                          cwd=project, env=env_for(project), capture_output=True, text=True, timeout=600)
+    pool_seconds = time.perf_counter() - start
+    assert pool.returncode == 1, pool.stdout[-3000:] + pool.stderr[-2000:]  # the planted bug
+    start = time.perf_counter()
+    run = torchrun(["--standalone", "--nproc-per-node", "4"], ["--junitxml", str(torchrun_xml), "--case-deadline", "120",
+                                                               "--rank-logs", str(tmp_path / "logs")],
+                   cwd=project, env=env_for(project))
+    print(f"pool: {pool_seconds:.1f} s, torchrun: {time.perf_counter() - start:.1f} s (wall, including start)")
+    assert run.returncode == 1, run.stdout[-4000:] + run.stderr[-4000:]
+    expected, got = outcomes(pool_xml), outcomes(torchrun_xml)
+    assert got == expected
+    assert [outcome for _, outcome, _ in got] == ["passed"] * 4 + ["failed"]
+    assert "bugs-lossworld-dp2-fp32-plain-steps3-seed0 diverges from the reference" in run.stdout
+    assert "first diverging parameter gradients (step 1, in backward order): output.weight" in run.stdout
