@@ -54,7 +54,7 @@ register_component(Component(
     reference="reference.moe:reference",
     validate="parallel.moe:validate",
     reduction="reference.moe:reduction_size",
-    space=Space(dims=("ep", "etp", "dp", "tp"), sizes=dict(e=(2, 16), k=(1, 4), h=(4, 12), f=(4, 24), t=(4, 32)),
+    space=Space(dims=("ep", "etp", "dp", "tp"), sizes=dict(t=(4, 32), e=(2, 16), k=(1, 4), h=(4, 12), f=(4, 24)),
                 switches={"route": ("rand", "one", "skew"),
                           "emesh": ("dense", "ep1", "ep2", "ep3", "ep4", "ep8", "ep2etp2", "ep4etp2", "ep2etp4")}),
     meshes="parallel.thirdparty:moe_meshes",  # parallel.moe:meshes, plus transformers' 1-rank tp dim for hf
