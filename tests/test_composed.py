@@ -74,3 +74,18 @@ def test_the_16_rank_cell_under_torchrun(tmp_path):
           f"peak resident memory of the process tree {peak[0] / 2**30:.2f} GiB")
     assert proc.returncode == 0, out[-6000:]
     assert [outcome for _, outcome, _ in outcomes(xml)] == ["passed"]
+
+
+@pytest.mark.parametrize("cfg", __import__("models.composed", fromlist=["reshard_tp"]).reshard_tp(), ids=str)
+def test_composed_reshard_fsdp4_tp2_ep2_to_hsdp(cfg, rank_pool):
+    """The issue's trip: FSDP4·TP2·EP2 saved after step 5, loaded as HSDP 2×2·TP2·EP2 for steps 6-10;
+    its losses and final state equal the reference's (and so the run that never resharded). Two
+    8-rank layouts and ten steps: it gets a deadline of its own (the matrix's is 30 s)."""
+    from harness.cell import run_cell
+
+    old = rank_pool.deadline
+    rank_pool.deadline = max(old, 180.0)
+    try:
+        run_cell(cfg, rank_pool)
+    finally:
+        rank_pool.deadline = old
