@@ -111,6 +111,9 @@ register_component(Component(
 from .model.register import register_model  # noqa: E402  (after the registry is filled: no cycle)
 
 register_model("titan", "models.titan:CASE", impls=("titan", "interleaved"))
+# the project's own five components in one transformer (issue 20)
+# (ten steps of ~50 collectives each on 8 gloo ranks: up to ~40 s on a loaded 2-core machine)
+register_model("composed", "models.composed:CASE", impls=("composed", "manual"), deadline_factor=4.0)
 # transformers' own models (pip install -e '.[thirdparty]'; without it their cells skip saying so)
 for _name, _case, _impls in (("llama", "models.llama_hf:CASE", ("tp", "fsdp", "tpfsdp")),
                              ("qwen3moe", "models.qwen3moe_hf:CASE", ("ep",))):
