@@ -42,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
                              "'resumed/loss'), for one already known and declared, e.g. --ignore loss")
     parser.add_argument("--seed", type=int, default=None,
                         help="draw the same configs in every run (default: new ones each run); for a reproducible "
-                             "search, e.g. a test that a planted bug is found within --max-examples")
+                             "search, e.g. a test that a planted bug is found within --max-examples; a seeded run stores "
+                             "nothing in the example database")
     parser.add_argument("--out", default="explore-out", help="where result.json and trials.jsonl go (default explore-out)")
     parser.add_argument("--pool-size", type=int, default=DEFAULT_SIZE, help=f"rank processes (default {DEFAULT_SIZE})")
     parser.add_argument("--case-deadline", type=float, default=DEFAULT_DEADLINE,
