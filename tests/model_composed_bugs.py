@@ -15,8 +15,6 @@ block's ring runs, and restored):
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
@@ -29,15 +27,22 @@ from models.composed_parallel import ParallelAttention, parallelize as composed_
 from parallel.collectives import group_size
 from parallel.tp import column_parallel
 from reference.ring_attention import merge_heads, split_heads
-
-
-def _modules(made):
-    return made.modules if hasattr(made, "modules") and not callable(getattr(made, "modules")) else [made]
+from tests.planted import patched
 
 
 def _blocks(made):
     roots = made.modules if not isinstance(made, torch.nn.Module) else [made]
     return {name: block for root in roots for name, block in root.layers.items()}
+
+
+def _with_attention(model, meshes, block: str, forward):
+    """The composed model's own parallelize, with block ``block``'s attention running ``forward``
+    on this rank (when this rank's stage holds that block)."""
+    made = composed_parallelize(model, meshes, manual=False)
+    held = _blocks(made).get(block)
+    if held is not None:
+        held.attention.forward = forward.__get__(held.attention, ParallelAttention)
+    return made
 
 
 # ---- tp: the row-parallel all-reduce removed in block 1's attention -------------------------------
@@ -51,11 +56,7 @@ def _attention_without_all_reduce(self, x):
 
 
 def no_tp_all_reduce(model, meshes):
-    made = composed_parallelize(model, meshes, manual=False)
-    block = _blocks(made).get("1")
-    if block is not None:
-        block.attention.forward = _attention_without_all_reduce.__get__(block.attention, ParallelAttention)
-    return made
+    return _with_attention(model, meshes, "1", _attention_without_all_reduce)
 
 
 # ---- moe: the combine without its un-permutation --------------------------------------------------
@@ -69,16 +70,6 @@ class CombineInDispatchOrder(par_moe.Combine):
         return slots.view(-1, plan.k, y.shape[1])
 
 
-@contextlib.contextmanager
-def _swapped(module, name, value):
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
-
-
 def no_unpermute(model, meshes):
     made = composed_parallelize(model, meshes, manual=False)
     block = _blocks(made).get("0")
@@ -86,11 +77,11 @@ def no_unpermute(model, meshes):
         moe = block.moe
         forward = moe.forward
 
-        def patched(x):
-            with _swapped(par_moe, "Combine", CombineInDispatchOrder):
+        def combine_in_dispatch_order(x):
+            with patched(par_moe, "Combine", CombineInDispatchOrder):
                 return forward(x)
 
-        moe.forward = patched
+        moe.forward = combine_in_dispatch_order
     return made
 
 
@@ -119,12 +110,12 @@ def _leaky_visible(pos_q, pos_k, causal):
 class LeakyRing(par_ring.RingAttention):
     @staticmethod
     def forward(ctx, *args):
-        with _swapped(par_ring, "_visible", _leaky_visible):
+        with patched(par_ring, "_visible", _leaky_visible):
             return par_ring.RingAttention.forward(ctx, *args)
 
     @staticmethod
     def backward(ctx, *grads):
-        with _swapped(par_ring, "_visible", _leaky_visible):
+        with patched(par_ring, "_visible", _leaky_visible):
             return par_ring.RingAttention.backward(ctx, *grads)
 
 
@@ -140,11 +131,7 @@ def _attention_leaky(self, x):
 
 
 def ring_off_by_one(model, meshes):
-    made = composed_parallelize(model, meshes, manual=False)
-    block = _blocks(made).get("0")
-    if block is not None:
-        block.attention.forward = _attention_leaky.__get__(block.attention, ParallelAttention)
-    return made
+    return _with_attention(model, meshes, "0", _attention_leaky)
 
 
 BUGS = ModelCase(build=composed.build, batch=composed.batch, loss=composed.loss, steps=composed.CASE.steps,
