@@ -47,6 +47,9 @@ def pytest_addoption(parser):
                     help="the edit loop: of each component and implementation, a few cells on its smallest mesh of "
                          "more than one rank, covering every dtype and switch value, and no other test that needs "
                          "the rank pool; the full matrix stays the gate")
+    group.addoption("--full-matrix", action="store_true",
+                    help="every cell of each component's product, not the gate's covering design of it (the "
+                         "nightly run; also PARITYTEST_FULL_MATRIX=1)")
     group.addoption("--explore", type=int, default=0, metavar="N",
                     help="instead of running the selected cells, explore each of their (component, implementation) "
                          "pairs with up to N configs hypothesis draws (harness.explore)")
@@ -148,6 +151,13 @@ def pytest_configure(config):
         resolve(opt("--backend"))
     except ValueError as error:
         raise _usage("--backend", opt("--backend"), str(error)) from None
+    from .matrix import FULL_ENV
+
+    if os.environ.get(FULL_ENV, "") not in ("", "0", "1"):
+        raise pytest.UsageError(f"{FULL_ENV}={os.environ[FULL_ENV]}: use 1 for the full matrix, or 0 (or unset it) "
+                                "for the covering design")
+    if opt("--full-matrix"):  # read by harness.matrix.design when the case modules build their cells
+        os.environ[FULL_ENV] = "1"
     _check_implementations()
     _start_torchrun(config)
     if opt("--explore"):
@@ -160,8 +170,11 @@ def pytest_configure(config):
 
 @pytest.hookimpl(trylast=True)  # after junitxml's pytest_configure has made its writer
 def pytest_sessionstart(session):
+    from .report.workers import Timeline
     from .versions import record_in_junit
 
+    global _timeline
+    _timeline = Timeline()
     record_in_junit(session.config)
 
 
@@ -528,6 +541,7 @@ class _Summary:
 
 
 _summary = _Summary()
+_timeline: "Timeline | None" = None  # made at the session's start: the workers' busy and idle phases
 
 
 def pytest_runtest_setup(item):
@@ -555,6 +569,8 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_runtest_logreport(report):
     _summary.add(report)
+    if _timeline is not None:
+        _timeline.add(report)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -583,3 +599,7 @@ def pytest_terminal_summary(terminalreporter):
         tr.write_line("slowest cells (seconds in the cell: its ranks' run, the reference, comparison, golden):")
         for row in _summary.slowest():
             tr.write_line(row)
+    if _timeline is not None and len(_timeline.workers) > 1:
+        tr.write_line("workers (seconds from the session's start):")
+        for row in _timeline.lines():
+            tr.write_line(f"  {row}")

@@ -46,6 +46,26 @@ def ring_never_rotates(ctx, cfg):
         return ring.run(ctx, cfg)
 
 
+def ring_merge_without_rescale(ctx, cfg):
+    """Ring attention whose online-softmax merge forgets to rescale the running output by
+    exp(old lse - new lse): right for a row's first block only. Needs cp > 1 to show."""
+    def merge(out, lse, rows, block_out, block_lse):
+        new = torch.logaddexp(lse[..., rows], block_lse)
+        out[:, :, rows] = out[:, :, rows] + block_out * torch.exp(block_lse - new).unsqueeze(-1)
+        lse[..., rows] = new
+
+    with patched(ring, "_merge", merge):
+        return ring.run(ctx, cfg)
+
+
+def ring_zigzag_mask_as_contig(ctx, cfg):
+    """Ring attention whose causal mask takes the tokens' positions as if the layout were contiguous:
+    wrong for the zigzag layout's second chunk. Needs cp > 1, causal and zigzag together."""
+    real = ring.positions
+    with patched(ring, "positions", lambda layout, s, n, rank: real("contig", s, n, rank)):
+        return ring.run(ctx, cfg)
+
+
 def tp_noisy(ctx, cfg):
     """Tensor parallel whose output carries fresh random noise on every run: nondeterministic."""
     pieces = tp.run(ctx, cfg)

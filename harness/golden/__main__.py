@@ -221,11 +221,14 @@ def collect_cells(root: Path, paths: list[str]) -> _Collector:
 
     import pytest
 
+    from ..matrix import full_product
+
     collector = _Collector()
     here = os.getcwd()
     os.chdir(root)
     try:  # the listing of every collected test is not for the reader; errors come via the collector
-        with contextlib.redirect_stdout(io.StringIO()):
+        # every cell a golden file may belong to: the nightly full matrix's, not only the gate's
+        with contextlib.redirect_stdout(io.StringIO()), full_product():
             pytest.main(["--collect-only", "-q", "-p", "no:harness.plugin", "-p", "no:cacheprovider", *paths],
                         plugins=[collector])
     finally:
