@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SELECTION = [
     "tp-ours-tp1-fp32-op_xent-", "tp-ours-tp4-fp32-op_mlp-", "tp-ours-dp2.tp2-fp32-op_sp-",
     "tp-dtensor-tp3-fp32-op_colshard-", "tp-ours-tp2-bf16-op_colgather-",
-    "ringattn-ours-cp4-fp32-gqa_on.layout_zigzag.mask_causal-b2.d4.h16.q4.s24", "ringattn-torch-cp2-fp32-gqa_on.layout_contig.mask_causal-b2.d4.h16.q4.s24",
+    "ringattn-ours-cp4-fp32-gqa_on.layout_zigzag.mask_causal-b2.d4.h16.q4.s48", "ringattn-torch-cp2-fp32-gqa_on.layout_zigzag.mask_causal-b2.d4.h16.q4.s48",
     "moe-ours-ep2-fp32-cap_none.emesh_dense.norm_off.route_rand.score_softmax-e4",
     "moe-ours-ep4-fp32-cap_100.emesh_dense.norm_on.route_rand.score_softmax-e8",
     "pp-ours-pp2-fp32-sched_1f1b.tied_on-b2", "pp-torch-pp2-fp32-sched_gpipe.tied_on-b3",

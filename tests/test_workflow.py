@@ -136,7 +136,7 @@ def test_the_gates_commands_run_here_write_the_summary_with_the_per_component_ta
     narrowed to a few cells and one test module. The install step is the README's (checked above);
     it is not repeated: this interpreter's environment is it."""
     inputs = caller_inputs(load(WORKFLOW), "cpu")
-    inputs.update(cells="tp-ours-tp2-fp32-op_mlp or ringattn-ours-cp2-fp32-gqa_off.layout_zigzag.mask_causal",
+    inputs.update(cells="tp-ours-tp2-fp32-op_mlp or ringattn-ours-cp2-fp32-gqa_on.layout_zigzag.mask_causal",
                   **{"other-tests": inputs["other-tests"].replace("tests/", "tests/test_layout.py")})
     env, steps = reusable_steps(inputs)
     reports, summary = tmp_path / "reports", tmp_path / "step-summary.md"
