@@ -46,7 +46,7 @@ def pytest_addoption(parser):
     group.addoption("--quick", action="store_true",
                     help="the edit loop: of each component and implementation, a few cells on its smallest mesh of "
                          "more than one rank, covering every dtype and switch value, and no other test that needs "
-                         "the rank pool; the full matrix stays the gate")
+                         "the rank pool; the whole matrix stays the gate")
     group.addoption("--full-matrix", action="store_true",
                     help="every cell of each component's product, not the gate's covering design of it (the "
                          "nightly run; also PARITYTEST_FULL_MATRIX=1)")
