@@ -82,10 +82,15 @@ def run_pieces(cfg: Config, pool: Pool, component: Component) -> dict[int, dict]
     rank's part in-process and returns the pieces on rank 0 only (None elsewhere).
     """
     run = component.implementations[cfg.impl].run
-    deadline = getattr(pool, "deadline", None)
-    deadline = deadline * component.deadline_factor if deadline and component.deadline_factor != 1.0 else None
     return pool.run(run, cfg, cfg.mesh, seed=cfg.seed, label=cfg.id, extra_meshes=component.extra_meshes(cfg),
-                    deadline=deadline)
+                    deadline=cell_deadline(pool, component))
+
+
+def cell_deadline(pool, component: Component) -> float | None:
+    """The deadline of one of ``component``'s cells in ``pool``: the pool's times the component's
+    ``deadline_factor`` (None: the pool's own)."""
+    deadline = getattr(pool, "deadline", None)
+    return deadline * component.deadline_factor if deadline and component.deadline_factor != 1.0 else None
 
 
 def outcome_of(cfg: Config, component: Component, pieces: dict[int, dict]) -> CellOutcome:

@@ -97,6 +97,8 @@ def pytest_load_initial_conftests(early_config, parser, args):
         # the launcher's stderr, kept before pytest's capture replaces fd 2: a rank that exits for a
         # restart in the middle of a test still gets its failure text out there
         _launcher_stderr = os.dup(2)
+    if launched_by_torchrun():
+        _own_temp_root()
     if launched_by_torchrun() and os.environ["RANK"] != "0" and _quiet_stderr is None:
         where = getattr(early_config.known_args_namespace, "rank_logs", None) or os.path.join(
             tempfile.gettempdir(),
@@ -114,6 +116,35 @@ def pytest_load_initial_conftests(early_config, parser, args):
         if not getattr(early_config.known_args_namespace, "rank_logs", None):
             early_config.stash[_OWN_LOG_DIR] = where  # ours to remove when it has nothing to read
     yield
+
+
+def _own_temp_root() -> None:
+    """Under torchrun, a rank other than 0 makes its ``tmp_path`` directories under a root of its
+    own (``<temp dir>/pytest-of-<user>/paritytest-rank<N>``, pytest's ``PYTEST_DEBUG_TEMPROOT``),
+    unless the user chose one (``--basetemp``, ``PYTEST_DEBUG_TEMPROOT``).
+
+    The N pytest processes of a job would otherwise share ``pytest-of-<user>``, and they end at the
+    same moment (the verdict reaches them together). At its end each pytest removes the dead
+    symlinks of that directory (``pytest-current``, dead once a passing session removed its
+    basetemp under ``tmp_path_retention_policy = "failed"``) with an unlink that fails when another
+    process got there first: FileNotFoundError from ``cleanup_dead_symlinks``, and that rank exits 1
+    after its tests passed (1 or 2 of 6 runs of 16 processes here; docs/notes/issue-20.md). Rank 0
+    keeps pytest's usual place, where a user looks for it; pytest's numbering and retention apply
+    per rank, across jobs, as they do for one pytest."""
+    if os.environ["RANK"] == "0" or os.environ.get("PYTEST_DEBUG_TEMPROOT"):
+        return
+    import getpass
+
+    try:
+        user = getpass.getuser()
+    except (ImportError, OSError, KeyError):
+        user = "unknown"
+    root = os.path.join(tempfile.gettempdir(), f"pytest-of-{user}", f"paritytest-rank{os.environ['RANK']}")
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+    except OSError:
+        return  # pytest's own place then, as without torchrun
+    os.environ["PYTEST_DEBUG_TEMPROOT"] = root
 
 
 def _start_torchrun(config) -> None:

@@ -4,6 +4,7 @@ It runs under torchrun on 16 processes (the slow test below launches it and repo
 memory), or in the pool when the pool has 16 ranks (``--pool-size 16``); in a default pool of 8 and
 under ``--quick`` it is skipped, saying so."""
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from models.composed import cells16
-from tests.test_torchrun import env_for, outcomes, private_tmpdir  # noqa: F401  (autouse fixture)
+from tests.test_torchrun import env_for, outcomes, private_tmpdir, rank_log_tails  # noqa: F401  (autouse fixture)
 
 CELLS16 = cells16()
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,20 +48,24 @@ def _tree_rss(root: int) -> int:
 
 
 @pytest.mark.slow
-# 16 processes of 0.36 GiB on 2 cores, 137 s wall: opt-in. In a fresh-clone CI run beside the other
-# xdist worker one rank exited 1 (its log went with the test's tmp dir); it passed in the run before
-# and on its own. Until the cause is known it runs when asked, not in every `pytest tests/`.
+# Opt-in although its CI failure is understood and fixed (ranks racing in pytest's tmp cleanup, see
+# harness/plugin.py _own_temp_root): 16 processes and 6 GiB for 100-220 s starve the other xdist
+# worker; beside it a composed cell with a 30 s deadline hung (issue 20's note, "16-rank torchrun").
 @pytest.mark.skipif(not os.environ.get("PARITYTEST_16_RANKS"),
-                    reason="the 16-rank torchrun cell runs with PARITYTEST_16_RANKS=1 (137 s, 6 GiB; issue 20's note)")
+                    reason="the 16-rank torchrun cell runs with PARITYTEST_16_RANKS=1: 16 processes, 6 GiB, "
+                           "100-220 s on 2 cores, which starve a test beside it (issue 20's note)")
 def test_the_16_rank_cell_under_torchrun(tmp_path):
     """torchrun --nproc-per-node 16: every rank a pytest process running the cell in-process; the
-    peak of the summed resident memory of the whole process tree, sampled every 0.2 s."""
-    xml = tmp_path / "torchrun.xml"
+    peak of the summed resident memory of the whole process tree, sampled every 0.2 s. A failed job
+    shows the end of each failed rank's log (the logs go with the tmp dir, on a CI runner too)."""
+    xml, logs = tmp_path / "torchrun.xml", tmp_path / "logs"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "16",
                "-m", "pytest", "-p", "no:cacheprovider", "tests/test_composed.py", "-k", "test_composed_16_ranks",
-               "--junitxml", str(xml), "--case-deadline", "300", "--rank-logs", str(tmp_path / "logs"), "-q"]
+               "--junitxml", str(xml), "--case-deadline", "300", "--rank-logs", str(logs), "-q"]
     start = time.perf_counter()
-    proc = subprocess.Popen(command, cwd=ROOT, env=env_for(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # a session of its own: a job past its time is stopped whole (torchrun and its 16 ranks)
+    proc = subprocess.Popen(command, cwd=ROOT, env=env_for(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     peak = [0]
 
     def sample():
@@ -70,14 +75,23 @@ def test_the_16_rank_cell_under_torchrun(tmp_path):
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    out, _ = proc.communicate(timeout=900)
+    try:
+        out, _ = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # torchrun stops its ranks
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        out = f"{out}\n[the job ran past 900 s and was stopped]"
     sampler.join()
     import xml.etree.ElementTree as ET
 
     cell = sum(float(case.get("time", 0)) for case in ET.parse(xml).iter("testcase")) if xml.exists() else float("nan")
     print(f"16 ranks under torchrun: {time.perf_counter() - start:.1f} s wall, the cell {cell:.1f} s (rank 0's junit), "
           f"peak resident memory of the process tree {peak[0] / 2**30:.2f} GiB")
-    assert proc.returncode == 0, out[-6000:]
+    assert proc.returncode == 0, f"{out[-6000:]}\n{rank_log_tails(out, logs)}"
     assert [outcome for _, outcome, _ in outcomes(xml)] == ["passed"]
 
 

@@ -7,6 +7,7 @@ output); nothing is mocked. The planted faults live in a temporary project's own
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -66,6 +67,25 @@ def torchrun(launcher: list[str], pytest_args: list[str], *, cwd: Path = ROOT, e
     command = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "pytest", "-p", "no:cacheprovider",
                *pytest_args]
     return subprocess.run(command, cwd=cwd, env=env or env_for(), capture_output=True, text=True, timeout=timeout)
+
+
+def failed_ranks(output: str) -> list[int]:
+    """The ranks torchrun's closing summary names as failed (``rank      : 6 (local_rank: 6)``)."""
+    return sorted({int(r) for r in re.findall(r"^\s*rank\s*:\s*(\d+) \(local_rank", output, re.MULTILINE)})
+
+
+def rank_log_tails(output: str, logs: Path, chars: int = 3000) -> str:
+    """For a failed job's assertion message: the end of the ``--rank-logs`` log of every rank that
+    torchrun names as failed (rank 0's output is the job's own), or of every log that reports an
+    error when it names none; the logs themselves go with the test's tmp dir."""
+    named = [r for r in failed_ranks(output) if r != 0]
+    paths = [logs / f"rank{r}.log" for r in named] if named else [
+        p for p in sorted(logs.glob("rank*.log")) if re.search(r"Error|Traceback|failed|error", p.read_text(errors="replace"))]
+    tails = []
+    for path in paths:
+        text = path.read_text(errors="replace") if path.exists() else "(no log: the rank did not start pytest)"
+        tails.append(f"--- {path.name}, its last {chars} characters ---\n{text[-chars:]}")
+    return "\n".join(tails) or f"(torchrun names no failed rank but 0, and no log in {logs} reports an error)"
 
 
 def outcomes(path: Path) -> list[tuple[str, str, str]]:
@@ -300,3 +320,35 @@ def test_a_rank_late_to_a_cell_it_idles_in_still_runs_the_next_cell_with_the_oth
                    cwd=project, env=env_for(project), timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[:3000]
     assert "2 passed" in run.stdout
+
+
+TMP_PATH_CASES = '''
+import os
+from pathlib import Path
+
+
+def test_tells_where_its_tmp_path_lives(tmp_path, tmp_path_factory):
+    (tmp_path / "x").write_text("x")
+    root = tmp_path_factory.getbasetemp().parent
+    (Path(os.environ["ROOTS"]) / f"rank{os.environ['RANK']}").write_text(str(root))
+'''
+
+
+def test_each_rank_keeps_its_tmp_path_under_a_root_of_its_own(tmp_path):
+    """The ranks of a job end together; sharing pytest's ``pytest-of-<user>``, two of them at once
+    unlink its dead ``pytest-current`` link and one exits 1 after its tests passed (the 16-rank
+    composed run's lost rank 6). Rank 0 keeps pytest's place, each other rank a root of its own."""
+    import getpass
+
+    project = make_project(tmp_path / "tmp_paths", {"test_tmp.py": TMP_PATH_CASES})
+    roots = tmp_path / "roots"
+    roots.mkdir()
+    run = torchrun(["--standalone", "--nproc-per-node", "3"],
+                   ["test_tmp.py", "-o", "tmp_path_retention_policy=failed", "--rank-logs", str(tmp_path / "logs")],
+                   cwd=project, env=dict(env_for(project), ROOTS=str(roots)), timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:] + rank_log_tails(run.stdout + run.stderr,
+                                                                                         tmp_path / "logs")
+    shared = (tmp_path / "tmp" / f"pytest-of-{getpass.getuser()}").resolve()  # the job's TMPDIR (private_tmpdir)
+    found = {p.name: Path(p.read_text()) for p in roots.iterdir()}
+    assert found == {"rank0": shared, "rank1": shared / "paritytest-rank1" / shared.name,
+                     "rank2": shared / "paritytest-rank2" / shared.name}, found

@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from .. import events
-from ..cell import assemble_result, parity
+from ..cell import assemble_result, cell_deadline, parity
 from ..compare.diff import Row, compare
 from ..config import Config
 from ..layout import AssemblyError, MeshLayout, assemble
@@ -131,8 +131,10 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
         component.reference_result(cfg)
     reference = _numbered(log)
     run = component.implementations[cfg.impl].run
+    # the cell's own deadline (a model's deadline_factor): recording costs more than the cell, not less
     per_rank = pool.run("harness.bisect.localise:recorded_run", (run, cfg), cfg.mesh, seed=cfg.seed,
-                        label=f"{cfg.id} (recording events)", extra_meshes=component.extra_meshes(cfg))
+                        label=f"{cfg.id} (recording events)", extra_meshes=component.extra_meshes(cfg),
+                        deadline=cell_deadline(pool, component))
     try:
         results = {r: got["result"] for r, got in per_rank.items()}
         result_ok = None not in results.values() and parity(cfg, component, assemble_result(cfg, results))[1].ok
