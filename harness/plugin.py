@@ -47,6 +47,11 @@ def pytest_addoption(parser):
                     help="the edit loop: of each component and implementation, a few cells on its smallest mesh of "
                          "more than one rank, covering every dtype and switch value, and no other test that needs "
                          "the rank pool; the full matrix stays the gate")
+    group.addoption("--keep-pool", type=float, nargs="?", const=-1.0, default=None, metavar="SECONDS",
+                    help="keep the pool's zygote (torch and third-party libraries imported) alive after the run, "
+                         "SECONDS idle (default 900, or $PARITYTEST_KEEP_POOL), and fork the next run's ranks from it")
+    group.addoption("--stop-pool", action="store_true",
+                    help="stop this checkout's kept pools (--keep-pool) and exit")
     group.addoption("--explore", type=int, default=0, metavar="N",
                     help="instead of running the selected cells, explore each of their (component, implementation) "
                          "pairs with up to N configs hypothesis draws (harness.explore)")
@@ -143,6 +148,14 @@ def pytest_configure(config):
         resolve(opt("--backend"))
     except ValueError as error:
         raise _usage("--backend", opt("--backend"), str(error)) from None
+    if opt("--stop-pool"):
+        from .pool.kept import stop
+
+        stopped = stop(str(config.rootpath))
+        pytest.exit(f"stopped {len(stopped)} kept pool(s) of {config.rootpath}", 0)
+    keep = keep_seconds(config)
+    if keep < 0:
+        raise _usage("--keep-pool", opt("--keep-pool"), "must be a positive number of seconds, e.g. --keep-pool 900")
     _check_implementations()
     _start_torchrun(config)
     if opt("--explore"):
@@ -240,10 +253,23 @@ def _cell_world(cfg: Config, component) -> int:
     return max([cfg.world] + [MeshLayout.of(dims).world for dims in component.extra_meshes(cfg)])
 
 
+def keep_seconds(config) -> float:
+    """How long a kept pool waits idle (0: none): --keep-pool [SECONDS], else $PARITYTEST_KEEP_POOL."""
+    from .pool.kept import DEFAULT_IDLE, KeptPoolError, idle_from_env
+
+    value = config.getoption("--keep-pool")
+    if value is None:
+        try:
+            return idle_from_env()
+        except KeptPoolError as error:
+            raise pytest.UsageError(str(error)) from None
+    return DEFAULT_IDLE if value == -1.0 else (value if value > 0 else -1.0)
+
+
 def _pool(config, size: int | None = None, preload: tuple[str, ...] | None = None):
     opt = config.getoption
     return shared_pool(size=size or opt("--pool-size"), backend=opt("--backend"), deadline=opt("--case-deadline"),
-                       preload=preload)
+                       preload=preload, keep=keep_seconds(config), root=str(config.rootpath))
 
 
 # ---- a -k that selects no cell ----------------------------------------------------------------
