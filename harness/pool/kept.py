@@ -64,12 +64,16 @@ def idle_from_env() -> float:
 
 
 # ---- where: one socket per checkout, environment and xdist worker, in a directory of this user ----
+SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes; a socket's name here is at most about 40
+
+
 def runtime_dir(create: bool = True) -> str:
+    """This user's directory for kept pools' sockets (mode 0700): under ``$XDG_RUNTIME_DIR``, else
+    the temp directory, else ``/tmp``: the first whose sockets' paths fit in a Unix socket address."""
     base = os.environ.get("XDG_RUNTIME_DIR")
-    if base and os.path.isdir(base):
-        path = os.path.join(base, "paritytest")
-    else:
-        path = os.path.join(tempfile.gettempdir(), f"paritytest-{os.getuid()}")
+    candidates = [os.path.join(base, "paritytest")] if base and os.path.isdir(base) else []
+    candidates += [os.path.join(tempfile.gettempdir(), f"paritytest-{os.getuid()}"), f"/tmp/paritytest-{os.getuid()}"]
+    path = next((c for c in candidates if len(c) + 48 <= SOCKET_PATH_MAX), candidates[-1])
     if create:
         os.makedirs(path, mode=0o700, exist_ok=True)
     try:
@@ -287,6 +291,23 @@ def request(root: str, idle: float, kept_preload: list[str], message: dict, fds)
     raise KeptPoolError(f"the kept pool at {path} did not take the run")
 
 
+def status(root: str) -> dict | None:
+    """What this checkout's keeper (of this xdist worker) says of itself: ``pid``, ``runs`` (pools
+    forked), ``live`` (run zygotes alive), ``idle``, ``fingerprint``; None when there is none."""
+    path = os.path.join(runtime_dir(create=False), f"{checkout_key(root)}-{worker()}.sock")
+    sock = _connect(path) if os.path.exists(path) else None
+    if sock is None:
+        return None
+    sock.settimeout(CONNECT_TIMEOUT)
+    try:
+        send(sock, {"op": "status"})
+        return receive(sock)[0]
+    except (OSError, EOFError):
+        return None
+    finally:
+        sock.close()
+
+
 def stop(root: str | None = None, all_workers: bool = True) -> list[str]:
     """Stop the kept pools of ``root`` (every xdist worker's), or every kept pool of this user
     (``root`` None). Returns the sockets of those that answered."""
@@ -406,6 +427,7 @@ def keeper_main() -> None:
     preload(spec["preload"])
     warm_up()
     last = time.monotonic()
+    runs = 0
     while True:
         for pid in list(children):
             with contextlib.suppress(ChildProcessError):
@@ -425,6 +447,12 @@ def keeper_main() -> None:
         try:
             message, fds = receive(conn)
         except (OSError, EOFError, ValueError):
+            conn.close()
+            continue
+        if message.get("op") == "status":
+            with contextlib.suppress(OSError):
+                send(conn, {"pid": os.getpid(), "runs": runs, "live": sorted(children), "idle": idle,
+                            "fingerprint": own})
             conn.close()
             continue
         if message.get("op") == "stop":
@@ -452,6 +480,7 @@ def keeper_main() -> None:
             finally:
                 os._exit(1)
         children.add(pid)
+        runs += 1
         for fd in fds:
             os.close(fd)
         with contextlib.suppress(OSError):
@@ -526,4 +555,8 @@ def run_zygote(conn: socket.socket, message: dict, fds: list[int]) -> None:
 
     conn.settimeout(None)
     zygote.serve(forked=watch)
-    os._exit(0)
+    # every rank is gone (the client's end closed their sockets): end as on the client's EOF, which
+    # the watch thread may be handling now (it exits the process; wait for it)
+    zygote.leave()
+    while True:
+        time.sleep(1)

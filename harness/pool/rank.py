@@ -116,7 +116,10 @@ class Zygote:
         store = torch.distributed.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
         self.report({"pids": pids, "port": store.port})
         while self.live:
-            pid, raw = os.wait()
+            try:
+                pid, raw = os.wait()
+            except ChildProcessError:  # reaped by ``leave`` in another thread, which is ending the pool
+                return
             rank = self.live.pop(pid, None)
             if rank is not None:
                 self.report({"exit": rank, "code": os.waitstatus_to_exitcode(raw)})
