@@ -152,7 +152,7 @@ def test_a_kept_pool_exits_after_its_idle_timeout_and_leaves_nothing(box):
     assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
     kept = status(project, env)
     assert kept and kept["idle"] == 8.0, kept
-    assert processes_naming(str(box["runtime"])) == [kept["pid"]]  # the keeper alone: no ranks wait
+    assert wait_until(lambda: processes_naming(str(box["runtime"])) == [kept["pid"]], 10)  # the keeper alone: no ranks wait
     assert wait_until(lambda: gone(kept["pid"]), 60), "the kept pool outlived its idle timeout"
     assert wait_until(lambda: not processes_naming(str(box["runtime"])), 10)
     assert left_in(box["runtime"]) == []  # socket, lock file, log and their directory
