@@ -147,13 +147,14 @@ def test_an_edit_of_a_registered_implementation_is_seen_by_the_next_run_on_a_kep
 @pytest.mark.slow
 def test_a_kept_pool_exits_after_its_idle_timeout_and_leaves_nothing(box):
     project = make_project(box["root"] / "project")
-    env = dict(box["env"], PARITYTEST_KEEP_POOL="8")
+    env = dict(box["env"], PARITYTEST_KEEP_POOL="15")
     run = pytest_in(project, env, "-k", ONE_CELL)
     assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
-    kept = status(project, env)
-    assert kept and kept["idle"] == 8.0, kept
-    assert wait_until(lambda: processes_naming(str(box["runtime"])) == [kept["pid"]], 10)  # the keeper alone: no ranks wait
-    assert wait_until(lambda: gone(kept["pid"]), 60), "the kept pool outlived its idle timeout"
+    kept = status(project, env)  # None only if this loaded machine took 15 s to get here: then it is gone
+    if kept is not None:
+        assert kept["idle"] == 15.0, kept
+        assert wait_until(lambda: set(processes_naming(str(box["runtime"]))) <= {kept["pid"]}, 10)  # no ranks wait
+        assert wait_until(lambda: gone(kept["pid"]), 60), "the kept pool outlived its idle timeout"
     assert wait_until(lambda: not processes_naming(str(box["runtime"])), 10)
     assert left_in(box["runtime"]) == []  # socket, lock file, log and their directory
     assert left_in(box["tmp"]) == []  # no pool directory
