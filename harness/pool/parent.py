@@ -180,7 +180,14 @@ class Pool:
         child_fds = [child.fileno() for _, child in pairs]
         preload = list(default_preload() if self.preload is None else self.preload)
         if self.keep > 0:
-            self._proc = self._launch_kept(child_fds, preload)
+            try:
+                self._proc = self._launch_kept(child_fds, preload)
+            except PoolError:
+                for pair in pairs:
+                    for end in pair:
+                        end.close()
+                self.kill()  # its directory and hold
+                raise
         else:
             for fd in child_fds:
                 os.set_inheritable(fd, True)
