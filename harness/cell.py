@@ -82,7 +82,10 @@ def run_pieces(cfg: Config, pool: Pool, component: Component) -> dict[int, dict]
     rank's part in-process and returns the pieces on rank 0 only (None elsewhere).
     """
     run = component.implementations[cfg.impl].run
-    return pool.run(run, cfg, cfg.mesh, seed=cfg.seed, label=cfg.id, extra_meshes=component.extra_meshes(cfg))
+    deadline = getattr(pool, "deadline", None)
+    deadline = deadline * component.deadline_factor if deadline and component.deadline_factor != 1.0 else None
+    return pool.run(run, cfg, cfg.mesh, seed=cfg.seed, label=cfg.id, extra_meshes=component.extra_meshes(cfg),
+                    deadline=deadline)
 
 
 def outcome_of(cfg: Config, component: Component, pieces: dict[int, dict]) -> CellOutcome:

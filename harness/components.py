@@ -54,7 +54,7 @@ register_component(Component(
     reference="reference.moe:reference",
     validate="parallel.moe:validate",
     reduction="reference.moe:reduction_size",
-    space=Space(dims=("ep", "etp", "dp", "tp"), sizes=dict(e=(2, 16), k=(1, 4), h=(4, 12), f=(4, 24), t=(4, 32)),
+    space=Space(dims=("ep", "etp", "dp", "tp"), sizes=dict(t=(4, 32), e=(2, 16), k=(1, 4), h=(4, 12), f=(4, 24)),
                 switches={"route": ("rand", "one", "skew"),
                           "emesh": ("dense", "ep1", "ep2", "ep3", "ep4", "ep8", "ep2etp2", "ep4etp2", "ep2etp4")}),
     meshes="parallel.thirdparty:moe_meshes",  # parallel.moe:meshes, plus transformers' 1-rank tp dim for hf
@@ -111,6 +111,9 @@ register_component(Component(
 from .model.register import register_model  # noqa: E402  (after the registry is filled: no cycle)
 
 register_model("titan", "models.titan:CASE", impls=("titan", "interleaved"))
+# the project's own five components in one transformer (issue 20)
+# (ten steps of ~50 collectives each on 8 gloo ranks: up to ~40 s on a loaded 2-core machine)
+register_model("composed", "models.composed:CASE", impls=("composed", "manual"), deadline_factor=4.0)
 # transformers' own models (pip install -e '.[thirdparty]'; without it their cells skip saying so)
 for _name, _case, _impls in (("llama", "models.llama_hf:CASE", ("tp", "fsdp", "tpfsdp")),
                              ("qwen3moe", "models.qwen3moe_hf:CASE", ("ep",))):

@@ -77,6 +77,18 @@ def recording() -> Iterator[list[Event]]:
         _recorder = outer
 
 
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Record nothing inside: a model that calls components records its modules' events (hooks),
+    not the events each component's own code records (placed for the component's cells)."""
+    global _recorder
+    outer, _recorder = _recorder, None
+    try:
+        yield
+    finally:
+        _recorder = outer
+
+
 def append(event: Event) -> None:
     """Record an event whose pieces the caller placed itself (module hooks), when recording."""
     if _recorder is not None:

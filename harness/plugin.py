@@ -55,6 +55,11 @@ def pytest_addoption(parser):
     group.addoption("--explore", type=int, default=0, metavar="N",
                     help="instead of running the selected cells, explore each of their (component, implementation) "
                          "pairs with up to N configs hypothesis draws (harness.explore)")
+    group.addoption("--explore-ignore", action="append", default=[], metavar="TENSOR",
+                    help="with --explore: a result tensor whose divergence alone does not count (repeatable), "
+                         "as python -m harness.explore --ignore, e.g. the declared 'loss'")
+    group.addoption("--explore-seed", type=int, default=None, metavar="N",
+                    help="with --explore: the same draws in every run, as python -m harness.explore --seed")
 
 
 def _usage(option: str, value, why: str) -> pytest.UsageError:

@@ -86,6 +86,9 @@ class Component:
     explain: str | None = None
     # For exploration: the space its configs are drawn from (None: it cannot be explored yet)
     space: Space | None = None
+    # A cell's deadline is --case-deadline times this (a whole model's ten steps on 8 gloo ranks of a
+    # loaded 2-core machine outlast the 30 s a component cell gets)
+    deadline_factor: float = 1.0
 
     def switch_values(self) -> dict[str, tuple[str, ...]]:
         """Every value of every switch: ``simplest``'s order where it gives one, else ``space``'s."""

@@ -23,6 +23,19 @@ def small_pool():
     pool.close()
 
 
+def failure_of(cell, pool) -> str:
+    """Run ``cell``, which must fail (diverge, or a rank raise): the failure as a user reads it,
+    printed too (pytest -s shows it)."""
+    from harness.cell import Divergence, run_cell
+    from harness.pool.parent import CaseFailure
+
+    with pytest.raises((Divergence, CaseFailure)) as caught:
+        run_cell(cell, pool)
+    message = str(caught.value)
+    print(message)
+    return message
+
+
 def run_python(code: str, **kwargs):
     """Start ``python -c code`` with the repository importable."""
     import subprocess

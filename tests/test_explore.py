@@ -14,6 +14,7 @@ from harness.bisect.runner import Trials
 from harness.explore.__main__ import targets
 from harness.explore.strategies import configs, runnable
 from harness.registry import COMPONENTS, Component, Space, get, register_component, register_implementation
+from parallel.moe import layout as moe_layout
 from parallel.pipeline_schedule import rounds
 
 from .test_workflow import lint, load
@@ -25,8 +26,11 @@ WORKFLOW = ROOT / ".github" / "workflows" / "explore.yml"
 PLANTED = {
     "tp:rowsplit": ("tp_row_offsets_array_split", "ours", "cases.test_tp",
                     lambda c: c.degree("tp") >= 3 and c.size("f") % c.degree("tp") not in (0, c.degree("tp") - 1)),
+    # dropless over two or more ep ranks, routing that can pass ep rank 0 by (route one feeds it every
+    # first choice; skew at ep >= 3 can leave it idle: found at ep7 e14 k1 t14); a found failure
+    # without these is not the planted bug (a bf16 grad/w_up at ep=1 passed as it)
     "moe:idlefirst": ("moe_first_rank_idle_counts_aux_twice", "ours", "cases.test_moe",
-                      lambda c: c.switch("cap") == "none"),
+                      lambda c: c.switch("cap") == "none" and c.switch("route") != "one" and moe_layout(c).ep > 1),
     "pp:oddrounds": ("pp_interleaved_odd_rounds_last_twice", "ours", "cases.test_pipeline",
                      lambda c: c.switch("sched") == "interleaved" and c.size("m") % 2 == 1
                      and rounds(c.degree("pp"), c.size("m")) > 1),
@@ -36,9 +40,12 @@ PLANTED = {
 }
 # the tolerance policy's declared limits (README, Exploration) that exploration otherwise meets
 # before the planted bug: the probe loss; ring attention's fp32 input gradients (err/tol 1.0-3.4);
-# a router gradient that balanced routing makes analytically zero
+# a router gradient that balanced routing makes analytically zero (grad/router only: param/router
+# is the parameter plus a step); the MoE expert gradients in bf16 (err/tol 1.06-1.2). The planted
+# MoE bug shows in aux and grad/x, which stay compared.
 IGNORE = {"tp:rowsplit": ["--ignore", "loss"], "pp:oddrounds": ["--ignore", "loss"],
-          "moe:idlefirst": ["--ignore", "loss", "--ignore", "router"],
+          "moe:idlefirst": [a for t in ("loss", "grad/router", "grad/w_gate", "grad/w_up", "grad/w_down")
+                            for a in ("--ignore", t)],
           "ringattn:oddhalves": ["--ignore", "loss"] + [a for t in ("q", "k", "v", "x", "wq", "wk", "wv", "wo")
                                                          for a in ("--ignore", t)]}
 CONFTEST = "from harness.registry import register_implementation\n" + "".join(
@@ -152,8 +159,10 @@ def test_the_fixed_matrix_misses_the_planted_bug(target, rank_pool):
 @pytest.mark.parametrize("target", list(PLANTED))
 def test_exploration_finds_and_shrinks_the_planted_bug(tmp_path, target):
     project = tmp_path / "project"
-    done = explore(project, target, *IGNORE[target], "--max-examples", "3000", "--max-seconds", "400",
-                   "--shrink-seconds", "60")
+    # seeded: the same draws in every run, so whether the bug is found within the examples does not
+    # hang on luck or on the machine's load (the seconds only bound a stuck run)
+    done = explore(project, target, *IGNORE[target], "--seed", "0", "--max-examples", "600",
+                   "--max-seconds", "1500", "--shrink-seconds", "60", timeout=2400)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     (found,) = results(project)
     from harness.config import Config
@@ -222,7 +231,9 @@ def test_pytest_explore_fails_the_target_whose_cells_it_selected_with_the_line_f
     matrix = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_mine.py"], cwd=project,
                             env=env, capture_output=True, text=True, timeout=600)
     assert matrix.returncode == 0, matrix.stdout[-3000:]  # its one cell passes
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_mine.py", "--explore", "400"],
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_mine.py", "--explore", "400",
+                           # the declared loss limit (README, Exploration); unseeded, so the database is used
+                           "--explore-ignore", "loss"],
                           cwd=project, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "FAILED ::explore[tp:rowsplit] - Failed: tp:rowsplit: found tp-rowsplit-tp" in done.stdout, done.stdout[-3000:]

@@ -40,6 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ignore", action="append", default=[], metavar="TENSOR",
                         help="a result tensor whose divergence alone does not count (repeatable; 'loss' also covers "
                              "'resumed/loss'), for one already known and declared, e.g. --ignore loss")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="draw the same configs in every run (default: new ones each run); for a reproducible "
+                             "search, e.g. a test that a planted bug is found within --max-examples; a seeded run stores "
+                             "nothing in the example database")
     parser.add_argument("--out", default="explore-out", help="where result.json and trials.jsonl go (default explore-out)")
     parser.add_argument("--pool-size", type=int, default=DEFAULT_SIZE, help=f"rank processes (default {DEFAULT_SIZE})")
     parser.add_argument("--case-deadline", type=float, default=DEFAULT_DEADLINE,
@@ -96,7 +100,8 @@ def main(argv=None) -> int:
             for component, impl in chosen:
                 if db_path is not None:
                     db_path.mkdir(parents=True, exist_ok=True)
-                found = explore(component, impl, pool, budget, db_path=db_path, log=log, ignore=tuple(args.ignore))
+                found = explore(component, impl, pool, budget, db_path=db_path, log=log, ignore=tuple(args.ignore),
+                                seed=args.seed)
                 results.append(found)
                 write_result(out, results)
                 print("\n" + found.summary(str(db_path), []),

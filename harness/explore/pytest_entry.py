@@ -38,7 +38,7 @@ class ExploreItem(pytest.Item):
                 writer.line(line)
 
         found = explore(self.component, self.impl, pool, Budget(max_examples=opt("--explore")), db_path=database,
-                        progress=progress)
+                        progress=progress, ignore=tuple(opt("--explore-ignore")), seed=opt("--explore-seed"))
         summary = found.summary(str(database), self.modules)
         if found.minimal is not None:
             pytest.fail(summary, pytrace=False)

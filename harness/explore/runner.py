@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
+from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.errors import Unsatisfiable
@@ -135,10 +136,11 @@ class Budget:
 
 def explore(component: str, impl: str, pool: Pool, budget: Budget, *, db_path: Path | None = None,
             log: TextIO | None = None, progress: Callable[[str], None] | None = None,
-            ignore: tuple[str, ...] = ()) -> Exploration:
+            ignore: tuple[str, ...] = (), seed: int | None = None) -> Exploration:
     """Explore one implementation of one component; see the module docstring. ``progress`` gets
     one line per trial (default: stderr). A failure in none but the ``ignore`` tensors is noted
-    in ``others`` and explored past (a divergence already known and declared)."""
+    in ``others`` and explored past (a divergence already known and declared). ``seed``: draw the
+    same examples in every run (hypothesis's ``seed``), for a search whose trials must not vary."""
     progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     result = Exploration(component, impl)
     db = database(db_path)
@@ -195,6 +197,8 @@ def explore(component: str, impl: str, pool: Pool, budget: Budget, *, db_path: P
     trial = settings(max_examples=budget.max_examples, deadline=None, database=db, derandomize=False,
                      suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet, report_multiple_bugs=False,
                      phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink))(trial)
+    if seed is not None:
+        trial = hypothesis_seed(seed)(trial)
     trial._hypothesis_internal_database_key = database_key(component, impl)
     try:
         trial()

@@ -262,7 +262,8 @@ def describe_layouts(ctx, payload: list[str]) -> dict:
 
     Run it on a mesh covering the whole pool: every pool rank takes part in creating every group; a
     layout of a smaller world is built in ``pool/world`` copies side by side, every rank in one. The
-    groups are destroyed after each layout so a long matrix does not pile up gloo contexts.
+    groups are destroyed after each layout; in a pool rank that keeps the groups shared by rank set
+    (harness.pool.groups), whose cache is what stops a long matrix piling up gloo contexts.
     """
     import torch
     import torch.distributed as dist

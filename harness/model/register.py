@@ -30,12 +30,14 @@ def case_of(name: str) -> ModelCase:
     return _load(MODELS[name])
 
 
-def register_model(name: str, case: str, impls: Iterable[str] | None = None) -> Component:
+def register_model(name: str, case: str, impls: Iterable[str] | None = None,
+                   deadline_factor: float = 1.0) -> Component:
     """Register the :class:`ModelCase` at ``case`` (``"mypkg.cases:CASE"``, importable on the ranks)
     as model ``name``; its cells are ``model_cells(name, ...)``, ids ``<name>-<impl>-<mesh>-...``.
 
     ``impls``: the case's ``parallelize`` names, given to register without importing the case now
-    (the built-in models: a harness import does not pay for torch's pipelining and FSDP modules)."""
+    (the built-in models: a harness import does not pay for torch's pipelining and FSDP modules).
+    ``deadline_factor``: its cells may run that many times ``--case-deadline``."""
     taken = MODELS.get(name, "a component" if name in COMPONENTS else None)
     if taken is not None and taken != case:
         # a second registration would silently replace the first one's cells everywhere it is used
@@ -56,6 +58,7 @@ def register_model(name: str, case: str, impls: Iterable[str] | None = None) -> 
         meshes=f"{case}.meshes",
         simplest=dict(SIMPLEST),
         explain="harness.model.diverging:explain",
+        deadline_factor=deadline_factor,
         implementations={impl: Implementation(impl, f"{case}.run", xfail=f"{case}.xfail_reason",
                                               validate=f"{case}.check_impl")
                          for impl in impls},

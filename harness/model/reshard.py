@@ -1,12 +1,13 @@
 """Reshard round trip of a model cell: switch ``reshard_<layout>``.
 
-The cell trains on its own mesh for ``steps - 1`` steps, saves the model and optimizer state with
+The cell trains on its own mesh for ``steps - 1`` steps (or ``N`` with ``reshard_<layout>at<N>``), saves the model and optimizer state with
 ``torch.distributed.checkpoint`` (``get_state_dict``: DTensor and FSDP2 shards as they are) into the
 cell's scratch directory, then a fresh model is built and parallelized by the same function on the
 mesh ``<layout>`` (``dp4``, ``rep2dp2``, ``tp2``, ...: the model mesh dims with their degrees run
 together), or left whole on one process (``reshard_one``: rank 0 alone, the user's unparallelized
-model, ``dcp.load(no_dist=True)``); it loads the checkpoint (DCP reshards it), and takes the last
-step. The results are those of the run that never stopped: the loss of every step, the gradients
+model, ``dcp.load(no_dist=True)``); it loads the checkpoint (DCP reshards it), and takes the
+remaining steps (the last one; from N+1 to the last with ``at<N>``: ``reshard_rep2dp2tp2at5`` of a
+steps10 cell saves after step 5 and continues on rep2dp2tp2 for steps 6 to 10). The results are those of the run that never stopped: the loss of every step, the gradients
 of step 1, the parameters and optimizer state after the last step, against the same one-process
 reference, so a state that does not survive the trip (a shard loaded into the wrong place, an
 optimizer moment dropped, the step count lost) is a named mismatch.
@@ -32,11 +33,25 @@ from ..layout import MeshLayout, Piece
 
 ONE = "one"
 _DIM = re.compile(r"(pp|rep|dp|cp|tp)(\d+)")
+_AT = re.compile(r"(.*?)at(\d+)")
+
+
+def _split(cfg: Config) -> tuple[str, int | None]:
+    """The switch's layout text and its save step (None: steps - 1)."""
+    text = dict(cfg.switches)["reshard"]
+    m = _AT.fullmatch(text)
+    return (m.group(1), int(m.group(2))) if m else (text, None)
+
+
+def save_step(cfg: Config) -> int:
+    """The step after which the cell saves (``at<N>``, else steps - 1)."""
+    at = _split(cfg)[1]
+    return cfg.size("steps") - 1 if at is None else at
 
 
 def layout(cfg: Config) -> tuple[tuple[str, int], ...] | None:
     """The load mesh of a reshard cell as model mesh dims (``None``: one process)."""
-    text = dict(cfg.switches)["reshard"]
+    text = _split(cfg)[0]
     if text == ONE:
         return None
     dims = _DIM.findall(text)
@@ -59,6 +74,9 @@ def check(case, cfg: Config) -> None:
 
     if cfg.size("steps") < 2:
         raise ConfigError(f"{cfg.id}: a reshard cell saves after step steps-1 and resumes: give it steps2 or more")
+    if not 1 <= save_step(cfg) < cfg.size("steps"):
+        raise ConfigError(f"{cfg.id}: reshard ...at{save_step(cfg)} saves after a step the cell does not end with: "
+                          f"choose at<N> with 1 <= N < steps={cfg.size('steps')}")
     again = load_config(cfg)
     if again is None:
         return
@@ -113,24 +131,28 @@ def _one_process(case, cfg: Config, path: str, last: int) -> dict[str, torch.Ten
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path, no_dist=True)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    batch = as_dtype(global_batch(case, last), torch.float32)
-    with autocast(case, cfg, torch.device("cpu")):
-        loss = case.loss(case.forward(model, batch), batch)
-    loss.backward()
-    optimizer.step()
+    losses = {}
+    for step in range(last, cfg.size("steps")):
+        batch = as_dtype(global_batch(case, step), torch.float32)
+        with autocast(case, cfg, torch.device("cpu")):
+            loss = case.loss(case.forward(model, batch), batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses[loss_name(step + 1)] = scalar(loss)
 
     class Whole:  # what _state reads
         params = sorted(model.named_parameters())
 
     Whole.optimizer = optimizer
-    return {loss_name(last + 1): scalar(loss)} | _state(Whole)
+    return losses | _state(Whole)
 
 
 def run(case, ctx, cfg: Config) -> dict[str, Piece]:
     """Rank task of a reshard cell."""
     from .runner import Trainer, loss_name
 
-    last = cfg.size("steps") - 1  # steps 1..last before the save, step last+1 after the reload
+    last = save_step(cfg)  # steps 1..last before the save, steps last+1.. after the reload
     path = os.path.join(ctx.scratch, "checkpoint")
     saver = Trainer(case, ctx, cfg)
     pieces: dict[str, Piece] = {}
@@ -160,9 +182,12 @@ def run(case, ctx, cfg: Config) -> dict[str, Piece]:
         dcp.load(state, checkpoint_id=path, process_group=ctx.mesh(_all(again.world)).get_group())
         set_state_dict(loader.modules[0], loader.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
-        loss = loader.step(loader.batch(last))
-        loader.optimizer.step()
-        result = {loss_name(last + 1): loss.cpu()} | _state(loader)
+        result = {}
+        for step in range(last, cfg.size("steps")):
+            result[loss_name(step + 1)] = loader.step(loader.batch(step)).cpu()
+            loader.optimizer.step()
+            loader.optimizer.zero_grad(set_to_none=True)
+        result |= _state(loader)
     box = [result]
     dist.broadcast_object_list(box, group=cell, group_src=0)  # rank 0's results on every rank of the cell
     if isinstance(box[0], str):

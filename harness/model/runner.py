@@ -256,7 +256,9 @@ def _train(trainer: Trainer, case: ModelCase, cfg) -> dict[str, Piece]:
         plain = start_model(case, cfg)
         shapes = logical_shapes(plain, lambda: case.forward(plain, global_batch(case, 0)))
         s = trainer.spec
-        recorder = Recorder(trainer.modules, lambda t, module, name: activation(
+        # a pipeline's activations are per microbatch: their rows are no slice of the global batch
+        # (a microbatch's rows could pass for a tp shard by their shape), so only parameters are named
+        recorder = Recorder(trainer.modules, lambda t, module, name: None if trainer.pipelined else activation(
             t, trainer.degrees, batch_dims, shapes.get((module, name))),
             grad_scale=1.0 / (s.dp_replicate * s.dp_shard * s.cp))
     pieces: dict[str, Piece] = {}

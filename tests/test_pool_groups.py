@@ -1,0 +1,84 @@
+"""A pool rank keeps one process group per set of ranks (harness.pool.groups): meshes, however many and
+however named, add no gloo devices (each a loop thread waking every 10 ms) once their rank sets exist,
+and every mesh's groups still carry the right traffic."""
+import os
+
+import pytest
+
+from harness.pool.parent import Pool
+
+# the same rank sets of a 4-rank world under many names and orders: what a long matrix builds
+FIRST = [(("dp", 2), ("tp", 2)), (("tp", 4),)]
+LATER = [(("cp", 2), ("tp", 2)), (("pp", 2), ("dp", 2)), (("dp_shard", 2), ("cp", 2)), (("cp", 4),),
+         (("pp", 2), ("tp", 2)), (("dp_replicate", 2), ("dp_shard", 2))]
+
+
+def gloo_devices(ctx, payload):
+    """Rank task: this process's gloo devices (one loop thread each)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names.count("gloo_tcp_loop")
+
+
+def rank_sums(ctx, payload):
+    """Rank task: the sum of ranks over each dim's group of the cell's mesh (the groups carry traffic)."""
+    import torch
+    import torch.distributed as dist
+
+    out = {}
+    for name in ctx.device_mesh.mesh_dim_names:
+        x = torch.tensor([float(ctx.rank)])
+        dist.all_reduce(x, group=ctx.device_mesh.get_group(name))
+        out[name] = float(x)
+    return out
+
+
+def new_and_destroyed(ctx, payload):
+    """Rank task: a user's own group over ranks 0 and 1, destroyed after use, then made again."""
+    import torch
+    import torch.distributed as dist
+
+    sums = []
+    for _ in range(2):
+        group = dist.new_group([0, 1])
+        if ctx.rank in (0, 1):
+            x = torch.tensor([1.0])
+            dist.all_reduce(x, group=group)
+            sums.append(float(x))
+            dist.destroy_process_group(group)
+    return sums
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = Pool(size=4, deadline=30.0)
+    yield pool
+    pool.close()
+
+
+def test_meshes_over_the_same_ranks_add_no_gloo_devices(pool):
+    for mesh in FIRST:
+        pool.run(f"{__name__}:rank_sums", None, mesh)
+    before = pool.run(f"{__name__}:gloo_devices", None, FIRST[0])
+    for mesh in LATER:
+        sums = pool.run(f"{__name__}:rank_sums", None, mesh)
+        for rank, by_dim in sums.items():
+            for name, total in by_dim.items():
+                # ranks 0..3 row-major: a size-2 group over the last dim holds r and r^1, over the first
+                # r and r^2; a size-4 group holds them all
+                size = dict(mesh)[name]
+                stride = 1 if name == mesh[-1][0] else 2
+                group = {rank} if size == 1 else ({0, 1, 2, 3} if size == 4 else {rank, rank ^ stride})
+                assert total == sum(group), (mesh, rank, name)
+    after = pool.run(f"{__name__}:gloo_devices", None, FIRST[0])
+    assert after == before, f"gloo devices per rank grew from {before} to {after} over meshes of the same ranks"
+
+
+def test_a_user_group_destroyed_and_made_again_still_works(pool):
+    sums = pool.run(f"{__name__}:new_and_destroyed", None, (("tp", 4),))
+    assert sums[0] == sums[1] == [2.0, 2.0] and sums[2] == sums[3] == []
