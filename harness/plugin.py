@@ -313,7 +313,8 @@ def pytest_testnodedown(node, error):
 
 def pytest_collection_finish(session):
     """Start the pool as soon as the selection is known, sized to it: its ranks import torch while
-    this process pays its own lazy imports."""
+    this process goes on. This process never needs the optimizer's lazy ``torch._dynamo`` import
+    (about 1 s): the references are computed on a rank (harness.cell.reference_for)."""
     _check_implementations()  # registrations made by conftests collected late
     line = no_cell_matched(session.config, session.items)
     if line:
@@ -338,9 +339,6 @@ def pytest_collection_finish(session):
         # the ranks import what the selected cells run, no more: one cell by id starts fast
         preload = default_preload(cfgs) if all(cfgs) else None
         _pool(session.config, _needed_ranks(users, session.config.getoption("--pool-size")), preload).launch()
-        from .pool.rank import warm_up
-
-        warm_up()
 
 
 @pytest.fixture(scope="session")
