@@ -27,6 +27,15 @@ ROOT = Path(__file__).resolve().parent.parent
 ONE_CELL = "tp2 and fp32"
 
 
+HEAVY_PROBE = """
+import os, sys
+
+def pytest_unconfigure(config):
+    with open(os.environ["HEAVY_OUT"], "w") as out:
+        out.write(" ".join(name for name in ("torch._dynamo", "sympy", "pandas") if name in sys.modules))
+"""
+
+
 def make_project(where: Path) -> Path:
     """README's project (its package, conftest, test and pytest.ini), not installed: run from it."""
     for name, text in project_files(code_blocks(readme_section("Your own implementation"))).items():
@@ -118,8 +127,15 @@ def wait_until(predicate, timeout: float) -> bool:
 def test_an_edit_of_a_registered_implementation_is_seen_by_the_next_run_on_a_kept_pool(box):
     project = make_project(box["root"] / "project")
     env = dict(box["env"], PARITYTEST_KEEP_POOL="120")
-    first = pytest_in(project, env, "-k", ONE_CELL)
+    # what the run imported, written as pytest ends: the edit loop's time is pytest's process's
+    (box["root"] / "heavyprobe.py").write_text(HEAVY_PROBE)
+    heavy = box["root"] / "heavy.txt"
+    probed = dict(env, PYTHONPATH=str(box["root"]), HEAVY_OUT=str(heavy))
+    first = pytest_in(project, probed, "-p", "heavyprobe", "-k", ONE_CELL)
     assert first.returncode == 0 and "1 passed" in first.stdout, first.stdout[-3000:] + first.stderr[-2000:]
+    # a passing cell: its reference computed on a rank, no summary through pandas, no
+    # torch.unravel_index (sympy): pytest's process imports torch and no more of torch's lazy modules
+    assert heavy.read_text() == "", heavy.read_text()
     kept = status(project, env)
     assert kept and kept["runs"] == 1 and kept["live"] == [], kept  # alive, and no run's ranks left
 
