@@ -81,9 +81,9 @@ def _seconds(command: list[str], env: dict, cwd: str) -> float:
 
 
 def edit_loop(repeats: int) -> dict:
-    """Medians of ``repeats`` end-to-end runs each, interleaved (import, cold, kept), so that the
-    machine's load falls alike on all three: the import of torch and pytest, one cell by node id on
-    a cold pool and on a kept one."""
+    """Medians of ``repeats`` end-to-end runs each, interleaved (import, cold, kept, in an order
+    that rotates each round), so that the machine's load falls alike on all three: the import of
+    torch and pytest, one cell by node id on a cold pool and on a kept one."""
     import tempfile
 
     from .pool import kept
@@ -95,13 +95,16 @@ def edit_loop(repeats: int) -> dict:
     env.pop(kept.ENV, None)
     pytest_cell = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", NODE_ID]
     keep = [*pytest_cell, "--keep-pool", "600"]
-    times: dict[str, list[float]] = {"import": [], "cold": [], "kept": []}
+    commands = {"import": [sys.executable, "-c", "import torch, pytest"], "cold": pytest_cell, "kept": keep}
+    times: dict[str, list[float]] = {name: [] for name in commands}
     try:
         _seconds(keep, env, root)  # starts the kept pool: its torch import is paid here, once
-        for _ in range(repeats):
-            times["import"].append(_seconds([sys.executable, "-c", "import torch, pytest"], env, root))
-            times["cold"].append(_seconds(pytest_cell, env, root))
-            times["kept"].append(_seconds(keep, env, root))
+        for round_ in range(repeats):
+            # each kind first, second and third in turn: a load that falls or rises through the
+            # invocation favours none of them
+            names = list(commands)
+            for name in names[round_ % 3:] + names[:round_ % 3]:
+                times[name].append(_seconds(commands[name], env, root))
     finally:
         _seconds([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--stop-pool"], env, root)
         import shutil
