@@ -9,6 +9,10 @@ speedup is a ratio against the baseline run right here):
 * empty case round trip at world 2, 4 and 8;
 * one representative cell per component (``CELLS``: the TP MLP cell at tp=4, ring attention at
   cp=4, MoE at ep=4 (ours and transformers'), ...): run, assemble, compare with the cached reference;
+* the edit loop, end to end (``--edit-loop N``, default 5 each): ``python -c "import torch, pytest"``,
+  one cell by node id with a cold pool, and the same with a kept pool (``--keep-pool``; started and
+  warmed once beforehand, stopped after), each a fresh pytest process from the checkout root, medians
+  and the ratios to the import in the same invocation;
 * spawn-per-test, the baseline: the same cell in freshly spawned processes with a fresh process
   group, as PyTorch's MultiProcessTestCase runs each test; for the TP cell and for the whole-model
   cell (``MODELS``: transformers' tiny Llama, its TP plan x FSDP2 on dp=2,tp=2, 3 steps; without
@@ -60,6 +64,62 @@ CELLS = {
     # Llama, TP + SP + loss_parallel x FSDP2); 4 ranks, 3 AdamW steps
     **MODELS,
 }
+
+
+NODE_ID = f"cases/test_tp.py::test_tp[{TP_MLP.id}]"
+
+
+def _seconds(command: list[str], env: dict, cwd: str) -> float:
+    import subprocess
+
+    start = time.perf_counter()
+    done = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True)
+    took = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return took
+
+
+def edit_loop(repeats: int) -> dict:
+    """Medians of ``repeats`` end-to-end runs each, interleaved (import, cold, kept, in an order
+    that rotates each round), so that the machine's load falls alike on all three: the import of
+    torch and pytest, one cell by node id on a cold pool and on a kept one."""
+    import tempfile
+
+    from .pool import kept
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runtime = tempfile.mkdtemp(prefix="bench", dir="/tmp")  # a kept pool of its own, stopped at the end
+    env = dict(os.environ, XDG_RUNTIME_DIR=runtime)
+    env.pop("PYTEST_XDIST_WORKER", None)
+    env.pop(kept.ENV, None)
+    pytest_cell = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", NODE_ID]
+    keep = [*pytest_cell, "--keep-pool", "600"]
+    commands = {"import": [sys.executable, "-c", "import torch, pytest"], "cold": pytest_cell, "kept": keep}
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    try:
+        _seconds(keep, env, root)  # starts the kept pool: its torch import is paid here, once
+        for round_ in range(repeats):
+            # each kind first, second and third in turn: a load that falls or rises through the
+            # invocation favours none of them
+            names = list(commands)
+            for name in names[round_ % 3:] + names[:round_ % 3]:
+                times[name].append(_seconds(commands[name], env, root))
+    finally:
+        _seconds([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--stop-pool"], env, root)
+        import shutil
+
+        shutil.rmtree(runtime, ignore_errors=True)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    return {
+        "import_torch_pytest_s": round(medians["import"], 3),
+        "one_cell_cold_s": round(medians["cold"], 3),
+        "one_cell_kept_s": round(medians["kept"], 3),
+        "one_cell_cold_over_import": round(medians["cold"] / medians["import"], 2),
+        "one_cell_kept_over_import": round(medians["kept"] / medians["import"], 2),
+        "edit_loop_runs": {name: [round(v, 3) for v in values] for name, values in times.items()},
+        "edit_loop_repeats": repeats,
+    }
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -115,7 +175,23 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object, last line")
     parser.add_argument("--repeats", type=int, default=200, help="round trips per empty-case median")
     parser.add_argument("--starts", type=int, default=3, help="pool starts (and spawn-per-test runs) per median")
+    parser.add_argument("--edit-loop", type=int, default=5, metavar="N",
+                        help="end-to-end runs per median of the edit-loop figures (0: skip them)")
+    parser.add_argument("--only-edit-loop", action="store_true", help="measure the edit-loop figures alone")
     args = parser.parse_args(argv)
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr)
+
+    loop = edit_loop(args.edit_loop) if args.edit_loop > 0 else {}
+    if loop:
+        say(f"import torch, pytest      {loop['import_torch_pytest_s']:8.2f} s   median of {args.edit_loop}")
+        say(f"one cell by id, cold pool {loop['one_cell_cold_s']:8.2f} s   {loop['one_cell_cold_over_import']:.2f}x the import")
+        say(f"one cell by id, kept pool {loop['one_cell_kept_s']:8.2f} s   {loop['one_cell_kept_over_import']:.2f}x the import")
+    if args.only_edit_loop:
+        if args.json:
+            print(json.dumps(loop))
+        return loop
 
     starts, firsts = [], []
     for _ in range(args.starts):
@@ -157,10 +233,8 @@ def main(argv=None) -> dict:
         "model_speedup_vs_spawn": round(statistics.median(model_spawn) * 1e3 / cell_ms[model], 1),
         "repeats": args.repeats,
         "cpus": os.cpu_count(),
+        **loop,
     }
-
-    def say(line: str) -> None:
-        print(line, file=sys.stderr)
 
     say(f"pool start (8 ranks)      {figures['pool_start_s']:8.2f} s   median of {args.starts}")
     say(f"first TP cell, fresh pool {figures['first_case_ms']:8.2f} ms  median of {args.starts} (warm: below)")

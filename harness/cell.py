@@ -49,10 +49,23 @@ class CellOutcome:
 _references: dict[tuple, dict[str, torch.Tensor]] = {}
 
 
-def reference_for(cfg: Config) -> dict[str, torch.Tensor]:
-    """The reference result of ``cfg``'s problem, computed once per process and reused for every mesh."""
+def reference_for(cfg: Config, pool: Pool | None = None) -> dict[str, torch.Tensor]:
+    """The reference result of ``cfg``'s problem, computed once per process and reused for every mesh.
+
+    With a warm pool, the pool's first rank computes it: a rank paid torch's lazy imports before
+    its fork (the optimizer step's ``torch._dynamo``, about 1 s), so this process never pays them,
+    which is most of what one cell on a kept pool costs beyond importing torch. The reference is
+    plain single-process PyTorch in fp64 and is compared under tolerance, so where it runs changes
+    the time, not the verdict; without a pool (bisect, bench, torchrun) it runs here."""
     if cfg.problem_key not in _references:
-        _references[cfg.problem_key] = validate(cfg).reference_result(cfg)
+        component = validate(cfg)
+        if isinstance(pool, Pool):
+            _references[cfg.problem_key] = pool.run(
+                "harness.pool.tasks:reference", (component.reference, cfg), cfg.mesh, seed=cfg.seed,
+                label=f"{cfg.id} (its reference)", extra_meshes=component.extra_meshes(cfg),
+                deadline=cell_deadline(pool, component))[0]
+        else:
+            _references[cfg.problem_key] = component.reference_result(cfg)
     return _references[cfg.problem_key]
 
 
@@ -66,11 +79,11 @@ def assemble_result(cfg: Config, pieces: dict[int, dict]) -> dict:
     return {name: assemble(name, {r: pieces[r][name] for r in pieces}, layout) for name in sorted(names)}
 
 
-def parity(cfg: Config, component: Component, assembled: dict) -> tuple[Tolerances, Report]:
-    """The assembled result against the reference, under the tolerance policy."""
+def parity(cfg: Config, component: Component, assembled: dict, pool: Pool | None = None) -> tuple[Tolerances, Report]:
+    """The assembled result against the reference (computed in ``pool`` if given), under the tolerance policy."""
     tol = Tolerances(cfg.dtype, component.reduction_size(cfg))
     omits = component.implementations[cfg.impl].omits
-    expected = {name: t for name, t in reference_for(cfg).items() if name not in omits}
+    expected = {name: t for name, t in reference_for(cfg, pool).items() if name not in omits}
     return tol, compare(assembled, expected, tol)
 
 
@@ -93,10 +106,11 @@ def cell_deadline(pool, component: Component) -> float | None:
     return deadline * component.deadline_factor if deadline and component.deadline_factor != 1.0 else None
 
 
-def outcome_of(cfg: Config, component: Component, pieces: dict[int, dict]) -> CellOutcome:
-    """Every rank's pieces -> the logical result and its parity report against the reference."""
+def outcome_of(cfg: Config, component: Component, pieces: dict[int, dict], pool: Pool | None = None) -> CellOutcome:
+    """Every rank's pieces -> the logical result and its parity report against the reference
+    (computed on ``pool``'s first rank when given: :func:`reference_for`)."""
     assembled = assemble_result(cfg, pieces)
-    outcome = CellOutcome(cfg, *parity(cfg, component, assembled))
+    outcome = CellOutcome(cfg, *parity(cfg, component, assembled, pool))
     outcome.result = {name: a.tensor for name, a in assembled.items()}
     return outcome
 
@@ -105,7 +119,7 @@ def execute(cfg: Config, pool: Pool) -> CellOutcome:
     """Run the cell in the pool and compare it with the reference, without judging: the outcome
     holds the parity report and the logical result whether or not they match."""
     component = validate(cfg, pool.size)
-    return outcome_of(cfg, component, run_pieces(cfg, pool, component))
+    return outcome_of(cfg, component, run_pieces(cfg, pool, component), pool)
 
 
 def run_cell(cfg: Config, pool: Pool, *, golden_dir: Path | None = None, update_golden: bool = False,

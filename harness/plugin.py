@@ -50,6 +50,11 @@ def pytest_addoption(parser):
     group.addoption("--full-matrix", action="store_true",
                     help="every cell of each component's product, not the gate's covering design of it (the "
                          "nightly run; also PARITYTEST_FULL_MATRIX=1)")
+    group.addoption("--keep-pool", type=float, nargs="?", const=-1.0, default=None, metavar="SECONDS",
+                    help="keep the pool's zygote (torch and third-party libraries imported) alive after the run, "
+                         "SECONDS idle (default 900, or $PARITYTEST_KEEP_POOL), and fork the next run's ranks from it")
+    group.addoption("--stop-pool", action="store_true",
+                    help="stop this checkout's kept pools (--keep-pool) and exit")
     group.addoption("--explore", type=int, default=0, metavar="N",
                     help="instead of running the selected cells, explore each of their (component, implementation) "
                          "pairs with up to N configs hypothesis draws (harness.explore)")
@@ -189,6 +194,14 @@ def pytest_configure(config):
                                 "for the covering design")
     if opt("--full-matrix"):  # read by harness.matrix.design when the case modules build their cells
         os.environ[FULL_ENV] = "1"
+    if opt("--stop-pool"):
+        from .pool.kept import stop
+
+        stopped = stop(str(config.rootpath))
+        pytest.exit(f"stopped {len(stopped)} kept pool(s) of {config.rootpath}", 0)
+    keep = keep_seconds(config)
+    if keep < 0:
+        raise _usage("--keep-pool", opt("--keep-pool"), "must be a positive number of seconds, e.g. --keep-pool 900")
     _check_implementations()
     _start_torchrun(config)
     if opt("--explore"):
@@ -289,10 +302,23 @@ def _cell_world(cfg: Config, component) -> int:
     return max([cfg.world] + [MeshLayout.of(dims).world for dims in component.extra_meshes(cfg)])
 
 
+def keep_seconds(config) -> float:
+    """How long a kept pool waits idle (0: none): --keep-pool [SECONDS], else $PARITYTEST_KEEP_POOL."""
+    from .pool.kept import DEFAULT_IDLE, KeptPoolError, idle_from_env
+
+    value = config.getoption("--keep-pool")
+    if value is None:
+        try:
+            return idle_from_env()
+        except KeptPoolError as error:
+            raise pytest.UsageError(str(error)) from None
+    return DEFAULT_IDLE if value == -1.0 else (value if value > 0 else -1.0)
+
+
 def _pool(config, size: int | None = None, preload: tuple[str, ...] | None = None):
     opt = config.getoption
     return shared_pool(size=size or opt("--pool-size"), backend=opt("--backend"), deadline=opt("--case-deadline"),
-                       preload=preload)
+                       preload=preload, keep=keep_seconds(config), root=str(config.rootpath))
 
 
 # ---- a -k that selects no cell ----------------------------------------------------------------
@@ -331,7 +357,8 @@ def pytest_testnodedown(node, error):
 
 def pytest_collection_finish(session):
     """Start the pool as soon as the selection is known, sized to it: its ranks import torch while
-    this process pays its own lazy imports."""
+    this process goes on. This process never needs the optimizer's lazy ``torch._dynamo`` import
+    (about 1 s): the references are computed on a rank (harness.cell.reference_for)."""
     _check_implementations()  # registrations made by conftests collected late
     line = no_cell_matched(session.config, session.items)
     if line:
@@ -356,9 +383,6 @@ def pytest_collection_finish(session):
         # the ranks import what the selected cells run, no more: one cell by id starts fast
         preload = default_preload(cfgs) if all(cfgs) else None
         _pool(session.config, _needed_ranks(users, session.config.getoption("--pool-size")), preload).launch()
-        from .pool.rank import warm_up
-
-        warm_up()
 
 
 @pytest.fixture(scope="session")
@@ -558,13 +582,23 @@ class _Summary:
             self.moved.append((report.nodeid, record["moved"]))
 
     def table(self) -> str:
-        import pandas as pd
+        """One row per component, columns right-aligned under their headers, the index's name on a
+        line of its own (the layout pandas' ``to_string`` gives; pandas' import alone is 0.3 s of a
+        one-cell run)."""
 
-        rows = {name: dict(row, **{"failed as": ", ".join(f"{k} {n}" for k, n in row["failed as"].most_common())})
-                for name, row in sorted(self.rows.items())}
-        frame = pd.DataFrame.from_dict(rows, orient="index")
-        frame.index.name = "component"
-        return frame.to_string(float_format=lambda v: f"{v:.3g}")
+        def text(value) -> str:
+            if isinstance(value, Counter):
+                return ", ".join(f"{k} {n}" for k, n in value.most_common())
+            return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+        names = sorted(self.rows)
+        headers = list(self.rows[names[0]])
+        cells = {name: [text(self.rows[name][h]) for h in headers] for name in names}
+        widths = [max([len(h)] + [len(cells[name][i]) for name in names]) for i, h in enumerate(headers)]
+        first = max(len("component"), *map(len, names))
+        lines = [" " * first + "".join(f"  {h:>{w}}" for h, w in zip(headers, widths)), "component"]
+        lines += [f"{name:<{first}}" + "".join(f"  {c:>{w}}" for c, w in zip(cells[name], widths)) for name in names]
+        return "\n".join(line.rstrip() for line in lines)
 
     def slowest(self) -> list[str]:
         """The slowest cells that ran, one line each, slowest first."""

@@ -69,3 +69,10 @@ def write_files_forever(ctx, payload):
         with open(os.path.join(ctx.scratch, f"rank{ctx.rank}-{i}"), "w") as f:
             f.write("x")
         i += 1
+
+
+def reference_where(cfg):
+    """tp's reference, and the process that computed it."""
+    from reference.tp import reference
+
+    return {**reference(cfg), "pid": torch.tensor(os.getpid())}

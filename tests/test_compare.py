@@ -1,8 +1,10 @@
 """The comparison and the tolerance policy: catches real errors, accepts rounding noise."""
+import math
+
 import pytest
 import torch
 
-from harness.compare.diff import compare
+from harness.compare.diff import compare, unravel
 from harness.layout import MeshLayout, Piece, Shard, assemble
 from harness.compare.tolerance import TORCH_DTYPE, tolerance
 
@@ -97,3 +99,11 @@ def test_each_tensor_gets_its_own_reduction_size():
     # 1e-5 relative: within the loss's tolerance (n=4096), beyond that of a 16-term result
     assert [r.tensor for r in compare(got, want, tols).failing()] == ["grad/w"]
     assert "loss n=4096" in str(tols)
+
+
+@pytest.mark.parametrize("shape", [(), (5,), (3, 4), (2, 3, 4), (1, 7, 1, 2)])
+def test_the_worst_index_is_torch_unravel_index(shape):
+    n = math.prod(shape)
+    for flat in range(n):
+        want = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), shape)) if shape else ()
+        assert unravel(flat, shape) == want

@@ -8,7 +8,10 @@ import time
 import pytest
 import torch
 
+from harness.cell import _references, reference_for
+from harness.config import Config
 from harness.pool.parent import CaseFailure, Pool
+from harness.registry import COMPONENTS, Component, get, register_component
 from tests.conftest import run_python
 
 TP4 = (("tp", 4),)
@@ -75,6 +78,31 @@ def test_random_state_is_private_per_rank_and_fixed_by_the_seed(small_pool):
     small_pool.kill()  # a fresh pool (fresh processes) draws the same numbers
     fresh = small_pool.run("tests.faults:draw_random", None, TP4, seed=5)
     assert all(torch.equal(first[r], fresh[r]) for r in range(4))
+
+
+def test_a_reference_is_computed_once_per_problem_on_the_pools_first_rank(small_pool):
+    """A cell's reference runs on the pool's rank 0, not in pytest's process (whose optimizer step
+    would import torch._dynamo, about 1 s, for nothing else), once per problem, with the numbers
+    the same reference gives in this process."""
+    tp = get("tp")
+    register_component(Component("wheretp", "tests.faults:reference_where", tp.validate, tp.reduction,
+                                 dict(tp.implementations)))
+    sizes = dict(b=2, s=4, h=8, f=8, v=8)
+    try:
+        ranks = small_pool.run("tests.faults:pids", None, TP4)
+        cfg = Config("wheretp", "ours", {"tp": 2}, "fp32", sizes, {"op": "mlp"})
+        got = reference_for(cfg, small_pool)
+        assert int(got["pid"]) == ranks[0] != os.getpid()
+        assert reference_for(Config("wheretp", "ours", {"tp": 4}, "fp32", sizes, {"op": "mlp"}), small_pool) is got
+        assert int(reference_for(Config("wheretp", "ours", {"tp": 4}, "fp32", sizes, {"op": "sp"}),
+                                 small_pool)["pid"]) == ranks[0]  # another problem: computed again, there
+        real = Config("tp", "ours", {"tp": 2}, "fp32", sizes, {"op": "mlp"})
+        there, here = reference_for(real, small_pool), tp.reference_result(real)
+        assert there.keys() == here.keys() and all(torch.equal(there[k], here[k]) for k in here)
+    finally:
+        COMPONENTS.pop("wheretp")
+        for key in [k for k in _references if k[0] in ("wheretp", "tp")]:
+            del _references[key]
 
 
 def test_mesh_larger_than_pool_is_refused_before_running(small_pool):

@@ -106,6 +106,17 @@ def compare(actual: dict, expected: dict[str, torch.Tensor], tol: Tolerance | To
     return report
 
 
+def unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The index of element ``flat`` of a row-major tensor of ``shape`` (() for a scalar): what
+    ``torch.unravel_index`` gives, without the import of torch's symbolic shapes (sympy, about
+    0.4 s) that its argument checks pay on first use."""
+    index = []
+    for size in reversed(shape):
+        flat, i = divmod(flat, size)
+        index.append(i)
+    return tuple(reversed(index))
+
+
 def _compare_one(name: str, got: Assembled, want: torch.Tensor, tol: Tolerance, report: Report) -> list[Row]:
     a, b = got.tensor, want
     if tuple(a.shape) != tuple(b.shape):
@@ -124,7 +135,7 @@ def _compare_one(name: str, got: Assembled, want: torch.Tensor, tol: Tolerance, 
     rows = []
     if a.numel():
         worst = int(ratio.flatten().argmax())
-        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), a.shape)) if a.dim() else ()
+        idx = unravel(worst, tuple(a.shape))
         norm_b = float(b64.norm())
         norm_ratio = float(a64.norm()) / norm_b if norm_b else (1.0 if float(a64.norm()) == 0 else math.inf)
         fit_residual = math.nan

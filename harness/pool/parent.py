@@ -134,12 +134,17 @@ class Pool:
     """A warm pool of ``size`` rank processes. Thread-unsafe: one task at a time."""
 
     def __init__(self, size: int = DEFAULT_SIZE, backend: str = "auto", deadline: float = DEFAULT_DEADLINE,
-                 start_timeout: float = 180.0, preload: tuple[str, ...] | None = None):
+                 start_timeout: float = 180.0, preload: tuple[str, ...] | None = None, keep: float = 0.0,
+                 root: str | None = None):
+        """``keep``: seconds a kept pool (:mod:`.kept`) waits idle after this process is done with it;
+        0 (the default): this process's own zygote, gone with it. ``root``: the checkout a kept
+        pool belongs to (the working directory by default)."""
         if size < 1:
             raise PoolError(f"pool size {size} must be at least 1")
         self.size, self.deadline, self.start_timeout = size, deadline, start_timeout
         self.backend = resolve_backend(backend)
         self.preload = preload  # None: default_preload() at each launch, so late registrations count
+        self.keep, self.root = keep, root
         self._proc: subprocess.Popen | None = None
         self._conns: list[Connection] = []
         self._pids: dict[int, int] = {}
@@ -173,17 +178,28 @@ class Pool:
         self._tmp, self._hold = pooldir.create()
         pairs = [socket.socketpair() for _ in range(self.size)]
         child_fds = [child.fileno() for _, child in pairs]
-        for fd in child_fds:
-            os.set_inheritable(fd, True)
-        spec = {"parent": os.getpid(), "fds": child_fds, "backend": self.backend, "tmp": self._tmp,
-                "preload": list(default_preload() if self.preload is None else self.preload)}
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
-        with open(os.path.join(self._tmp, "zygote.log"), "wb") as err:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-c", "from harness.pool.rank import zygote_main; zygote_main()", json.dumps(spec)],
-                pass_fds=child_fds, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
-                start_new_session=True, env=env,
-            )
+        preload = list(default_preload() if self.preload is None else self.preload)
+        if self.keep > 0:
+            try:
+                self._proc = self._launch_kept(child_fds, preload)
+            except PoolError:
+                for pair in pairs:
+                    for end in pair:
+                        end.close()
+                self.kill()  # its directory and hold
+                raise
+        else:
+            for fd in child_fds:
+                os.set_inheritable(fd, True)
+            spec = {"parent": os.getpid(), "fds": child_fds, "backend": self.backend, "tmp": self._tmp,
+                    "preload": preload}
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
+            with open(os.path.join(self._tmp, "zygote.log"), "wb") as err:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-c", "from harness.pool.rank import zygote_main; zygote_main()", json.dumps(spec)],
+                    pass_fds=child_fds, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
+                    start_new_session=True, env=env,
+                )
         self.starts += 1
         self._ready = False
         for _, child in pairs:
@@ -191,6 +207,26 @@ class Pool:
         self._conns = [Connection(parent.detach()) for parent, _ in pairs]
         self._pids, self._exits, self._status_buf, self._port = {}, {}, b"", None
         self._built: set[tuple] = set()  # (mesh, extra meshes) whose groups every rank has built
+
+    def _launch_kept(self, child_fds: list[int], preload: list[str]):
+        """Ask this checkout's kept zygote (started if there is none, or a stale one) to fork the
+        ranks: it imported torch and third-party modules once; the project's modules are imported
+        in the run's own zygote, after the keeper's fork."""
+        from . import kept
+
+        kept_preload, per_run = kept.split_preload(preload)
+        status_read, status_write = os.pipe()
+        message = {"backend": self.backend, "tmp": self._tmp, "preload": per_run, "cwd": os.getcwd(),
+                   "env": dict(os.environ, OMP_NUM_THREADS="1"), "path": [p for p in sys.path if p]}
+        try:
+            sock, reply = kept.request(self.root or os.getcwd(), self.keep, kept_preload, message,
+                                       [*child_fds, status_write])
+        except (kept.KeptPoolError, OSError) as error:
+            os.close(status_read)
+            raise PoolError(f"kept pool: {error}") from None
+        finally:
+            os.close(status_write)
+        return kept.Remote(reply["pid"], sock, status_read)
 
     def start(self) -> None:
         """Launch if needed and wait until every rank has joined the process group."""
@@ -240,6 +276,8 @@ class Pool:
             self._proc.wait()
             if self._proc.stdout:
                 self._proc.stdout.close()
+            if hasattr(self._proc, "sock"):  # a kept pool's run zygote
+                self._proc.close()
             self._proc = None
         for conn in self._conns:
             conn.close()

@@ -47,80 +47,111 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL, orphaned=None) -> No
         threading.Thread(target=watch, name="harness-parent-watch", daemon=True).start()
 
 
-def zygote_main() -> None:
-    spec = json.loads(sys.argv[1])
-    pooldir.hold(spec["tmp"])  # held until this process and every rank it forks are gone
-    live: dict[int, int] = {}  # pid -> rank, of the ranks not yet reaped
-    forking = {"now": False, "leave": False}
-    leaving = threading.Lock()
+class Zygote:
+    """The process that forks a pool's ranks, hosts its rendezvous store and reports their exits on
+    its stdout (the status pipe). ``spec``: the ranks' socket descriptors (``fds``), ``backend``,
+    the pool directory (``tmp``), and descriptors the ranks must not keep (``close``)."""
 
-    def leave(*_) -> None:
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.live: dict[int, int] = {}  # pid -> rank, of the ranks not yet reaped
+        self.forking = {"now": False, "leave": False}
+        self.leaving = threading.Lock()
+
+    def leave(self, *_) -> None:
         """End the pool, on SIGTERM (the parent's kill, or its death) or when the parent is found
         gone. The last process of the pool out removes its directory, whatever became of the
         parent meanwhile: the ranks are killed and reaped first, so that none still writes there."""
-        if forking["now"]:  # a rank forked but not yet in ``live`` would be missed: after the forks
-            forking["leave"] = True
+        if self.forking["now"]:  # a rank forked but not yet in ``live`` would be missed: after the forks
+            self.forking["leave"] = True
             return
-        if not leaving.acquire(blocking=False):
+        if not self.leaving.acquire(blocking=False):
             return  # already on the way out (the signal and the status pipe can both say so)
-        for pid in list(live):
+        for pid in list(self.live):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        for pid in list(live):
+        for pid in list(self.live):
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
-        pooldir.remove(spec["tmp"])
+        pooldir.remove(self.spec["tmp"])
         os._exit(1)
 
-    def report(record: dict) -> None:
+    def report(self, record: dict) -> None:
         try:
             sys.stdout.write(json.dumps(record) + "\n")
             sys.stdout.flush()
         except OSError:  # nobody reads the status pipe any more: the parent is gone
-            leave()
+            self.leave()
 
-    signal.signal(signal.SIGTERM, leave)
-    die_with_parent(spec["parent"], signal.SIGTERM, leave)
+    def serve(self, forked=None) -> None:
+        """Fork the ranks (torch imported, the preloads done), host the store, report every rank's
+        exit until none is left; ``forked()`` is called once the ranks are forked."""
+        import torch.distributed
+
+        spec = self.spec
+        me = os.getpid()
+        pids: dict[int, int] = {}
+        self.forking["now"] = True
+        for rank, fd in enumerate(spec["fds"]):
+            pid = os.fork()
+            if pid == 0:
+                for other in [*spec["fds"], *spec.get("close", ())]:
+                    if other != fd:
+                        os.close(other)
+                try:
+                    rank_main(rank, fd, me, spec)
+                finally:
+                    os._exit(0)
+            pids[rank] = pid
+            self.live[pid] = rank
+        self.forking["now"] = False
+        if self.forking["leave"]:
+            self.leave()
+        for fd in spec["fds"]:
+            os.close(fd)
+        if forked is not None:
+            forked()
+        # The rendezvous store lives here, created after the forks (no server thread is ever forked),
+        # on a port the OS picks, so parallel pools never collide. The parent relays the port.
+        store = torch.distributed.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+        self.report({"pids": pids, "port": store.port})
+        while self.live:
+            try:
+                pid, raw = os.wait()
+            except ChildProcessError:  # reaped by ``leave`` in another thread, which is ending the pool
+                return
+            rank = self.live.pop(pid, None)
+            if rank is not None:
+                self.report({"exit": rank, "code": os.waitstatus_to_exitcode(raw)})
+
+
+def import_torch() -> None:
+    """What every zygote imports before it forks: torch, its distributed package, one thread."""
     import torch  # noqa: F401  the expensive import, paid once for all ranks
     import torch.distributed  # noqa: F401
     from torch.distributed.device_mesh import DeviceMesh  # noqa: F401  preloaded for every rank
 
     torch.set_num_threads(1)  # before any op: no intra-op thread pool exists to be forked
-    for module in spec["preload"]:
+
+
+def preload(modules) -> None:
+    for module in modules:
         try:
             importlib.import_module(module)
         except Exception:  # noqa: BLE001  a rank that needs it reports the error with the case
             pass
+
+
+def zygote_main() -> None:
+    spec = json.loads(sys.argv[1])
+    pooldir.hold(spec["tmp"])  # held until this process and every rank it forks are gone
+    zygote = Zygote(spec)
+    signal.signal(signal.SIGTERM, zygote.leave)
+    die_with_parent(spec["parent"], signal.SIGTERM, zygote.leave)
+    import_torch()
+    preload(spec["preload"])
     warm_up()
-    me = os.getpid()
-    pids: dict[int, int] = {}
-    forking["now"] = True
-    for rank, fd in enumerate(spec["fds"]):
-        pid = os.fork()
-        if pid == 0:
-            for other in spec["fds"]:
-                if other != fd:
-                    os.close(other)
-            try:
-                rank_main(rank, fd, me, spec)
-            finally:
-                os._exit(0)
-        pids[rank] = pid
-        live[pid] = rank
-    forking["now"] = False
-    if forking["leave"]:
-        leave()
-    for fd in spec["fds"]:
-        os.close(fd)
-    # The rendezvous store lives here, created after the forks (no server thread is ever forked),
-    # on a port the OS picks, so parallel pools never collide. The parent relays the port.
-    store = torch.distributed.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    report({"pids": pids, "port": store.port})
-    while live:
-        pid, raw = os.wait()
-        rank = live.pop(pid, None)
-        if rank is not None:
-            report({"exit": rank, "code": os.waitstatus_to_exitcode(raw)})
+    zygote.serve()
 
 
 def warm_up() -> None:

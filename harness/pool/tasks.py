@@ -11,6 +11,18 @@ def noop(ctx: RankContext, payload):
     return None
 
 
+def reference(ctx: RankContext, payload):
+    """A cell's single-process reference (``payload``: the component's reference path and the
+    config), computed by the mesh's first rank alone (harness.cell.reference_for); the others
+    return None. Plain PyTorch: no collective, no group."""
+    if ctx.rank != 0:
+        return None
+    from .rank import resolve
+
+    path, cfg = payload
+    return resolve(path)(cfg)
+
+
 def describe_mesh(ctx: RankContext, payload):
     """This rank's coordinates and, per dim, the ranks of its group, as torch sees them.
 

@@ -1,0 +1,562 @@
+"""A kept pool: a zygote that outlives one pytest run (opt-in: ``--keep-pool`` or
+``PARITYTEST_KEEP_POOL=SECONDS``), so that the next run forks its ranks from a process that has
+already imported torch and the selected third-party libraries.
+
+The *keeper* is that zygote. It listens on a Unix socket in a directory only this user can enter
+(``$XDG_RUNTIME_DIR/paritytest`` or ``<tmp>/paritytest-<uid>``, mode 0700), one per checkout,
+environment (``sys.prefix``, the interpreter) and xdist worker. For each pool a run asks for, it
+forks a *run zygote* which takes the request's rank sockets and status pipe (passed as file
+descriptors), the run's working directory, environment and ``sys.path``, imports the project's own
+modules, forks the ranks (a fresh process group and store per run) and ends with the client's
+connection: a client that dies, however, takes its ranks with it.
+
+Safe by construction:
+
+* the keeper imports torch, the harness's own modules and third-party modules only, never the
+  project's code (implementations, references, cases, conftests): those are imported after its
+  fork, in each run, so an edit is always seen;
+* the client sends a fingerprint of what the keeper's image depends on (every file of the harness
+  package, the interpreter, ``sys.prefix`` and the installed distributions, through the mtimes of
+  the site-packages directories and their ``.pth`` files); a keeper whose own differs exits, and
+  the client starts a fresh one;
+* it exits after ``idle`` seconds without a run, removing its socket, lock file and log, and when
+  asked (``pytest --stop-pool``, ``python -m harness.pool stop``).
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import select
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+
+ENV = "PARITYTEST_KEEP_POOL"  # seconds a kept pool waits idle before it exits; unset, empty or 0: off
+DEFAULT_IDLE = 900.0
+MAX_FDS = 64
+CONNECT_TIMEOUT = 300.0  # a keeper just started imports torch (and transformers) before it answers
+_started: list[subprocess.Popen] = []  # keepers this process started (kept, so no ResourceWarning)
+
+
+class KeptPoolError(RuntimeError):
+    pass
+
+
+def idle_from_env() -> float:
+    """The idle timeout ``PARITYTEST_KEEP_POOL`` asks for (0: no kept pool)."""
+    raw = os.environ.get(ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise KeptPoolError(f"{ENV}={raw!r}: give the seconds a kept pool waits idle, e.g. {ENV}=900") from None
+    return max(0.0, value)
+
+
+# ---- where: one socket per checkout, environment and xdist worker, in a directory of this user ----
+SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes; a socket's name here is at most about 40
+
+
+def runtime_dir(create: bool = True) -> str:
+    """This user's directory for kept pools' sockets (mode 0700): under ``$XDG_RUNTIME_DIR``, else
+    the temp directory, else ``/tmp``: the first whose sockets' paths fit in a Unix socket address."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    candidates = [os.path.join(base, "paritytest")] if base and os.path.isdir(base) else []
+    candidates += [os.path.join(tempfile.gettempdir(), f"paritytest-{os.getuid()}"), f"/tmp/paritytest-{os.getuid()}"]
+    path = next((c for c in candidates if len(c) + 48 <= SOCKET_PATH_MAX), candidates[-1])
+    if create:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return path
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise KeptPoolError(f"{path} is not a directory of this user: remove it, or set XDG_RUNTIME_DIR")
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def checkout_key(root: str) -> str:
+    text = "\0".join([os.path.realpath(root), sys.prefix, sys.executable])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def worker() -> str:
+    return os.environ.get("PYTEST_XDIST_WORKER", "main")
+
+
+def address(root: str) -> str:
+    return os.path.join(runtime_dir(), f"{checkout_key(root)}-{worker()}.sock")
+
+
+# ---- what a keeper's image depends on ----------------------------------------------------------------
+def _site_dirs() -> list[str]:
+    import site
+
+    dirs = set(getattr(site, "getsitepackages", lambda: [])())
+    with contextlib.suppress(Exception):
+        dirs.add(site.getusersitepackages())
+    for key in ("purelib", "platlib"):
+        dirs.add(sysconfig.get_paths()[key])
+    return sorted(d for d in dirs if os.path.isdir(d))
+
+
+def fingerprint() -> str:
+    """Changes when a file of the harness package, the interpreter or an installed distribution
+    changes: what a keeper imported before it forks."""
+    digest = hashlib.sha256()
+    digest.update("\0".join([sys.executable, sys.prefix, sys.version]).encode())
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for dirpath, dirnames, filenames in os.walk(package):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                info = os.stat(os.path.join(dirpath, name))
+                digest.update(f"{os.path.relpath(dirpath, package)}/{name}:{info.st_mtime_ns}:{info.st_size}\n".encode())
+    for site_dir in _site_dirs():  # a distribution installed, upgraded or removed changes its directory
+        digest.update(f"{site_dir}:{os.stat(site_dir).st_mtime_ns}\n".encode())
+        with os.scandir(site_dir) as entries:
+            for entry in sorted(entries, key=lambda e: e.name):
+                if entry.name.endswith(".pth") or entry.name.startswith("__editable__"):
+                    digest.update(f"{entry.name}:{entry.stat().st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:24]
+
+
+def split_preload(modules) -> tuple[list[str], list[str]]:
+    """``(kept, per_run)``: the harness's own modules and the third-party modules the others
+    import at their top level (found in their source, without importing them) may be imported in
+    the keeper; the project's modules only after its fork, in each run."""
+    import ast
+    import importlib.util
+
+    installed = [os.path.realpath(p) + os.sep for p in {*_site_dirs(), sysconfig.get_paths()["stdlib"],
+                                                        sysconfig.get_paths()["platstdlib"]}]
+    cache: dict[str, bool] = {}
+
+    def third_party(name: str) -> bool:
+        top = name.partition(".")[0]
+        if top not in cache:
+            try:
+                spec = importlib.util.find_spec(top)
+            except (ImportError, ValueError):
+                spec = None
+            origin = spec.origin if spec is not None else None
+            where = origin if origin not in (None, "built-in", "frozen") else (
+                next(iter(spec.submodule_search_locations or []), None) if spec else None)
+            cache[top] = top != "harness" and where is not None and any(
+                os.path.realpath(where).startswith(p) for p in installed)
+            if spec is not None and origin in ("built-in", "frozen"):
+                cache[top] = True
+        return cache[top]
+
+    kept, per_run = [], []
+    for module in modules:
+        if module == "harness" or module.startswith("harness."):
+            kept.append(module)
+            continue
+        per_run.append(module)
+        try:
+            spec = importlib.util.find_spec(module)
+            source = open(spec.origin).read() if spec and spec.origin and spec.origin.endswith(".py") else ""
+            tree = ast.parse(source)
+        except Exception:  # noqa: BLE001  a module that does not import is reported by the ranks
+            continue
+        for node in tree.body:
+            bodies = [node] if not isinstance(node, ast.Try) else [*node.body]
+            for inner in bodies:
+                names = []
+                if isinstance(inner, ast.Import):
+                    names = [alias.name for alias in inner.names]
+                elif isinstance(inner, ast.ImportFrom) and inner.level == 0 and inner.module:
+                    names = [inner.module]
+                kept += [n for n in names if third_party(n) and n not in kept]
+    return kept, per_run
+
+
+# ---- messages: a length, JSON, and file descriptors with the first bytes ------------------------------
+def send(sock: socket.socket, message: dict, fds=()) -> None:
+    data = json.dumps(message).encode()
+    data = struct.pack("!I", len(data)) + data
+    sent = socket.send_fds(sock, [data], list(fds)) if fds else sock.send(data)
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+def receive(sock: socket.socket) -> tuple[dict, list[int]]:
+    data, fds, _, _ = socket.recv_fds(sock, 1 << 16, MAX_FDS)
+    if len(data) < 4:
+        data += _exactly(sock, 4 - len(data))
+    size = struct.unpack("!I", data[:4])[0]
+    body = data[4:]
+    if len(body) < size:
+        body += _exactly(sock, size - len(body))
+    return json.loads(body), list(fds)
+
+
+def _exactly(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise EOFError("connection closed")
+        out += chunk
+    return out
+
+
+# ---- client ------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _locked(path: str):
+    """An exclusive hold on ``path`` (the keeper removes the file when it exits: a hold on a file
+    no longer at ``path`` is no hold, so take it again)."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def _connect(path: str) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except (FileNotFoundError, ConnectionRefusedError):
+        sock.close()
+        return None
+    return sock
+
+
+def _start(path: str, idle: float, preload: list[str]) -> None:
+    spec = {"path": path, "idle": idle, "preload": preload}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
+    with open(path[:-len(".sock")] + ".log", "ab") as log:
+        _started.append(subprocess.Popen(
+            [sys.executable, "-c", "from harness.pool.kept import keeper_main; keeper_main()", json.dumps(spec)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
+            env=env, cwd="/"))
+    end = time.monotonic() + 60
+    while not os.path.exists(path):  # it binds its socket before it imports anything
+        if _started[-1].poll() is not None or time.monotonic() > end:
+            raise KeptPoolError(f"the kept pool did not start: see {path[:-len('.sock')]}.log")
+        time.sleep(0.01)
+
+
+def request(root: str, idle: float, kept_preload: list[str], message: dict, fds) -> tuple[socket.socket, dict]:
+    """Send a run's request (and its descriptors) to the keeper of ``root``, starting one when there
+    is none or when the one there is stale. Returns the connection, which the run zygote holds: it
+    ends its ranks when this side closes it, and the keeper's reply (``pid``: the run zygote)."""
+    path = address(root)
+    message = dict(message, op="run", fingerprint=fingerprint(), preload_kept=kept_preload, idle=idle)
+    for _ in range(3):
+        with _locked(path[:-len(".sock")] + ".lock"):
+            sock = _connect(path)
+            if sock is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)  # a keeper killed outright leaves its socket
+                _start(path, idle, kept_preload)
+                sock = _connect(path)
+                if sock is None:
+                    raise KeptPoolError(f"cannot connect to the kept pool at {path}")
+            sock.settimeout(CONNECT_TIMEOUT)
+            try:
+                send(sock, message, fds)
+                reply, _ = receive(sock)
+            except (OSError, EOFError):  # it exited meanwhile (idle, stale): start another
+                sock.close()
+                continue
+            if reply.get("stale"):
+                sock.close()
+                continue
+            sock.settimeout(None)
+            return sock, reply
+    raise KeptPoolError(f"the kept pool at {path} did not take the run")
+
+
+def status(root: str) -> dict | None:
+    """What this checkout's keeper (of this xdist worker) says of itself: ``pid``, ``runs`` (pools
+    forked), ``live`` (run zygotes alive), ``idle``, ``fingerprint``; None when there is none."""
+    path = os.path.join(runtime_dir(create=False), f"{checkout_key(root)}-{worker()}.sock")
+    sock = _connect(path) if os.path.exists(path) else None
+    if sock is None:
+        return None
+    sock.settimeout(CONNECT_TIMEOUT)
+    try:
+        send(sock, {"op": "status"})
+        return receive(sock)[0]
+    except (OSError, EOFError):
+        return None
+    finally:
+        sock.close()
+
+
+def stop(root: str | None = None, all_workers: bool = True) -> list[str]:
+    """Stop the kept pools of ``root`` (every xdist worker's), or every kept pool of this user
+    (``root`` None). Returns the sockets of those that answered."""
+    directory = runtime_dir(create=False)
+    if not os.path.isdir(directory):
+        return []
+    prefix = checkout_key(root) + "-" if root else ""
+    stopped = []
+    for name in sorted(os.listdir(directory)):
+        if not (name.endswith(".sock") and name.startswith(prefix)):
+            continue
+        path = os.path.join(directory, name)
+        sock = _connect(path)
+        if sock is None:
+            continue
+        sock.settimeout(30)
+        with contextlib.suppress(OSError, EOFError):
+            send(sock, {"op": "stop"})
+            receive(sock)
+            stopped.append(path)
+        sock.close()
+        end = time.monotonic() + 10
+        while os.path.exists(path) and time.monotonic() < end:
+            time.sleep(0.02)
+    with contextlib.suppress(OSError):
+        os.rmdir(directory)  # only when empty
+    return stopped
+
+
+class Remote:
+    """A run zygote forked by a keeper, as :class:`harness.pool.parent.Pool` uses a ``Popen``:
+    ``pid``, ``stdout`` (the status pipe), ``poll`` and ``wait`` (it is gone once its end of the
+    connection is closed)."""
+
+    def __init__(self, pid: int, sock: socket.socket, status_fd: int):
+        self.pid, self.sock = pid, sock
+        self.stdout = os.fdopen(status_fd, "rb", buffering=0)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self.sock], [], [], 0)[0]:
+            try:
+                gone = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                gone = False
+            except OSError:
+                gone = True
+            if gone:
+                self.returncode = -1
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired("kept pool run zygote", timeout)
+            select.select([self.sock], [], [], min(0.5, left) if left is not None else 0.5)
+        return self.returncode
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# ---- the keeper ------------------------------------------------------------------------------------
+def keeper_main() -> None:
+    spec = json.loads(sys.argv[1])
+    path, idle = spec["path"], float(spec["idle"])
+    own = fingerprint()  # before any import: an edit made while importing makes it stale, not wrong
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        listener.bind(path)
+    finally:
+        os.umask(old)
+    listener.listen(64)
+    inode = os.stat(path).st_ino
+    base = path[:-len(".sock")]
+    children: set[int] = set()
+
+    def ours() -> bool:
+        try:
+            return os.stat(path).st_ino == inode
+        except FileNotFoundError:
+            return False
+
+    def finish(code: int = 0, lock: bool = True) -> None:
+        listener.close()
+        if ours():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            if lock:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(base + ".lock")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(base + ".log")
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(path))  # only when empty
+        os._exit(code)
+
+    def stop_all(*_) -> None:
+        for pid in list(children):  # each ends its ranks and removes its pool directory
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        for pid in list(children):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        finish()
+
+    signal.signal(signal.SIGTERM, stop_all)
+    signal.signal(signal.SIGINT, stop_all)
+    from .rank import import_torch, preload, warm_up
+
+    import_torch()
+    preload(spec["preload"])
+    warm_up()
+    last = time.monotonic()
+    runs = 0
+    while True:
+        for pid in list(children):
+            with contextlib.suppress(ChildProcessError):
+                done, _ = os.waitpid(pid, os.WNOHANG)
+                if not done:
+                    continue
+            children.discard(pid)
+            last = time.monotonic()
+        if children:
+            last = time.monotonic()
+        if not select.select([listener], [], [], 1.0)[0]:
+            if not children and time.monotonic() - last > idle and _idle_exit(base, listener):
+                finish(lock=False)
+            continue
+        conn, _ = listener.accept()
+        conn.settimeout(30)
+        try:
+            message, fds = receive(conn)
+        except (OSError, EOFError, ValueError):
+            conn.close()
+            continue
+        if message.get("op") == "status":
+            with contextlib.suppress(OSError):
+                send(conn, {"pid": os.getpid(), "runs": runs, "live": sorted(children), "idle": idle,
+                            "fingerprint": own})
+            conn.close()
+            continue
+        if message.get("op") == "stop":
+            with contextlib.suppress(OSError):
+                send(conn, {"stopped": True})
+            conn.close()
+            stop_all()
+        if message.get("fingerprint") != own:  # the harness or the installed packages changed
+            with contextlib.suppress(FileNotFoundError):
+                if ours():
+                    os.unlink(path)  # the client starts the next keeper at this path
+            with contextlib.suppress(OSError):
+                send(conn, {"stale": True})
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            finish(lock=False)
+        idle = float(message.get("idle", idle))
+        preload(message.get("preload_kept", ()))  # third-party, kept for the next runs too
+        pid = os.fork()
+        if pid == 0:
+            listener.close()
+            try:
+                run_zygote(conn, message, fds)
+            finally:
+                os._exit(1)
+        children.add(pid)
+        runs += 1
+        for fd in fds:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            send(conn, {"pid": pid})
+        conn.close()
+        last = time.monotonic()
+
+
+def _idle_exit(base: str, listener: socket.socket) -> bool:
+    """May the keeper exit now? Not while a client is starting or connecting (it holds the lock)."""
+    try:
+        fd = os.open(base + ".lock", os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return not select.select([listener], [], [], 0)[0]
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        if select.select([listener], [], [], 0)[0]:
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(base + ".lock")  # under the lock: a waiting client sees it gone and takes it again
+        return True
+    finally:
+        os.close(fd)
+
+
+def run_zygote(conn: socket.socket, message: dict, fds: list[int]) -> None:
+    """One run's zygote, forked by the keeper: the run's descriptors, directory, environment and
+    import path, the project's modules imported fresh, then the ranks forked as a pool's zygote
+    forks them. It ends (ranks killed, pool directory removed) when the client's connection ends."""
+    from . import pooldir
+    from .rank import Zygote, preload
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.setpgid(0, 0)  # its ranks and itself: one group the client can kill outright
+    *rank_fds, status = fds
+    os.dup2(status, 1)
+    os.close(status)
+    log = os.open(os.path.join(message["tmp"], "zygote.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.stdout = os.fdopen(1, "w", closefd=False)
+    sys.stderr = os.fdopen(2, "w", closefd=False)
+    os.chdir(message["cwd"])
+    os.environ.clear()
+    os.environ.update(message["env"])
+    sys.path[:] = message["path"]
+    spec = {"fds": rank_fds, "backend": message["backend"], "tmp": message["tmp"], "close": [conn.fileno()]}
+    pooldir.hold(spec["tmp"])
+    zygote = Zygote(spec)
+    signal.signal(signal.SIGTERM, zygote.leave)
+    preload(message.get("preload", ()))  # the project's own modules: fresh in every run
+
+    def watch() -> None:
+        import threading
+
+        def wait_for_eof() -> None:
+            while True:
+                try:
+                    if not conn.recv(4096):
+                        break
+                except InterruptedError:
+                    continue
+                except OSError:
+                    break
+            zygote.leave()
+
+        threading.Thread(target=wait_for_eof, name="harness-client-watch", daemon=True).start()
+
+    conn.settimeout(None)
+    zygote.serve(forked=watch)
+    # every rank is gone (the client's end closed their sockets): end as on the client's EOF, which
+    # the watch thread may be handling now (it exits the process; wait for it)
+    zygote.leave()
+    while True:
+        time.sleep(1)

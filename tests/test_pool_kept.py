@@ -1,0 +1,236 @@
+"""The kept pool (``--keep-pool`` / ``PARITYTEST_KEEP_POOL``), as a user runs it: README's "Your own
+implementation" project in a temp directory, pytest in a subprocess with this environment's
+interpreter, the kept pool's socket directory and the temp directory private to the test.
+
+* an edit of a registered implementation between two runs against one kept pool is seen;
+* a kept pool exits after its idle timeout and leaves nothing: no process, no socket, no directory;
+* a kept pool is not used across checkouts; ``--stop-pool`` and ``python -m harness.pool stop``;
+* a client killed outright takes its ranks with it, and the kept pool serves the next run.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.checkout import user_env
+from tests.test_outside_project import code_blocks, project_files, readme_section
+
+ROOT = Path(__file__).resolve().parent.parent
+ONE_CELL = "tp2 and fp32"
+
+
+HEAVY_PROBE = """
+import os, sys
+
+def pytest_unconfigure(config):
+    with open(os.environ["HEAVY_OUT"], "w") as out:
+        out.write(" ".join(name for name in ("torch._dynamo", "sympy", "pandas") if name in sys.modules))
+"""
+
+
+def make_project(where: Path) -> Path:
+    """README's project (its package, conftest, test and pytest.ini), not installed: run from it."""
+    for name, text in project_files(code_blocks(readme_section("Your own implementation"))).items():
+        path = where / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    (where / "mypkg" / "__init__.py").touch()
+    return where
+
+
+@pytest.fixture
+def box(tmp_path):
+    """Private runtime and temp directories, and the environment that points there."""
+    runtime = Path(tempfile.mkdtemp(prefix="kp", dir="/tmp"))  # short: a socket's path has 108 bytes
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(user_env(), XDG_RUNTIME_DIR=str(runtime), TMPDIR=str(tmp))
+    yield {"runtime": runtime, "tmp": tmp, "env": env, "root": tmp_path}
+    for project in tmp_path.glob("project*"):  # whatever a failed test left running
+        subprocess.run([sys.executable, "-m", "harness.pool", "stop"], cwd=project, env=env, timeout=60)
+    shutil.rmtree(runtime, ignore_errors=True)
+
+
+def pytest_in(project: Path, env: dict, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=project,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def status(project: Path, env: dict) -> dict | None:
+    """What the project's keeper says (asked from here: ``python -m harness.pool status`` would
+    import torch first, longer than a short idle timeout)."""
+    from harness.pool import kept
+
+    saved = {k: os.environ.get(k) for k in ("XDG_RUNTIME_DIR", "PYTEST_XDIST_WORKER")}
+    os.environ["XDG_RUNTIME_DIR"] = env["XDG_RUNTIME_DIR"]
+    os.environ.pop("PYTEST_XDIST_WORKER", None)  # the runs in the project are not xdist workers
+    try:
+        return kept.status(str(project))
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def gone(pid: int) -> bool:
+    """Exited (a zombie nobody reaped counts: it runs nothing and holds nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def processes_naming(text: str) -> list[int]:
+    """Live processes whose command line or working directory names ``text``: the keeper, its run
+    zygotes and their ranks (forks of the keeper, with its command line)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cwd = os.readlink(entry / "cwd")
+        except OSError:
+            continue
+        if (text in cmdline or cwd.startswith(text)) and not gone(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def left_in(directory: Path) -> list[str]:
+    """What the harness left there (torch's own caches, ``torchinductor_<user>``, are not ours)."""
+    return sorted(p.name for p in directory.iterdir() if not p.name.startswith("torchinductor_")) \
+        if directory.exists() else []
+
+
+def wait_until(predicate, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return predicate()
+
+
+@pytest.mark.slow
+def test_an_edit_of_a_registered_implementation_is_seen_by_the_next_run_on_a_kept_pool(box):
+    project = make_project(box["root"] / "project")
+    env = dict(box["env"], PARITYTEST_KEEP_POOL="120")
+    # what the run imported, written as pytest ends: the edit loop's time is pytest's process's
+    (box["root"] / "heavyprobe.py").write_text(HEAVY_PROBE)
+    heavy = box["root"] / "heavy.txt"
+    probed = dict(env, PYTHONPATH=str(box["root"]), HEAVY_OUT=str(heavy))
+    first = pytest_in(project, probed, "-p", "heavyprobe", "-k", ONE_CELL)
+    assert first.returncode == 0 and "1 passed" in first.stdout, first.stdout[-3000:] + first.stderr[-2000:]
+    # a passing cell: its reference computed on a rank, no summary through pandas, no
+    # torch.unravel_index (sympy): pytest's process imports torch and no more of torch's lazy modules
+    assert heavy.read_text() == "", heavy.read_text()
+    kept = status(project, env)
+    assert kept and kept["runs"] == 1 and kept["live"] == [], kept  # alive, and no run's ranks left
+
+    impl = project / "mypkg" / "tp_impl.py"
+    source = impl.read_text()
+    assert "out = F.linear(x, w, b)" in source
+    impl.write_text(source.replace("out = F.linear(x, w, b)", "out = F.linear(x, w, b) * 2"))
+    second = pytest_in(project, env, "-k", ONE_CELL)
+    assert second.returncode == 1, second.stdout[-3000:]
+    assert "diverges from the reference" in second.stdout, second.stdout[-3000:]
+    again = status(project, env)
+    assert again["pid"] == kept["pid"] and again["runs"] == 2, (kept, again)  # the same kept pool
+
+    impl.write_text(source)
+    third = pytest_in(project, env, "-k", ONE_CELL)
+    assert third.returncode == 0 and "1 passed" in third.stdout, third.stdout[-3000:]
+    assert status(project, env)["pid"] == kept["pid"]
+
+    stopped = pytest_in(project, env, "--stop-pool")
+    assert stopped.returncode == 0 and "stopped 1 kept pool" in stopped.stdout + stopped.stderr, stopped
+    assert wait_until(lambda: gone(kept["pid"]), 30)
+    assert left_in(box["runtime"]) == [] and left_in(box["tmp"]) == []
+
+
+@pytest.mark.slow
+def test_a_kept_pool_exits_after_its_idle_timeout_and_leaves_nothing(box):
+    project = make_project(box["root"] / "project")
+    env = dict(box["env"], PARITYTEST_KEEP_POOL="15")
+    run = pytest_in(project, env, "-k", ONE_CELL)
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+    kept = status(project, env)  # None only if this loaded machine took 15 s to get here: then it is gone
+    if kept is not None:
+        assert kept["idle"] == 15.0, kept
+        assert wait_until(lambda: set(processes_naming(str(box["runtime"]))) <= {kept["pid"]}, 10)  # no ranks wait
+        assert wait_until(lambda: gone(kept["pid"]), 60), "the kept pool outlived its idle timeout"
+    assert wait_until(lambda: not processes_naming(str(box["runtime"])), 10)
+    assert left_in(box["runtime"]) == []  # socket, lock file, log and their directory
+    assert left_in(box["tmp"]) == []  # no pool directory
+
+
+@pytest.mark.slow
+def test_a_kept_pool_belongs_to_one_checkout_and_stale_harness_files_restart_it(box, tmp_path):
+    a, b = make_project(box["root"] / "project_a"), make_project(box["root"] / "project_b")
+    env = dict(box["env"], PARITYTEST_KEEP_POOL="120")
+    assert pytest_in(a, env, "-k", ONE_CELL).returncode == 0
+    assert pytest_in(b, env, "-k", ONE_CELL).returncode == 0
+    in_a, in_b = status(a, env), status(b, env)
+    assert in_a["pid"] != in_b["pid"] and in_a["runs"] == in_b["runs"] == 1, (in_a, in_b)
+    assert len([n for n in left_in(box["runtime"] / "paritytest") if n.endswith(".sock")]) == 2
+
+    # a keeper whose harness files changed since it started is stale: the next run starts another
+    from harness.pool import kept
+
+    os.utime(kept.__file__)
+    assert pytest_in(a, env, "-k", ONE_CELL).returncode == 0
+    fresh = status(a, env)
+    assert fresh["pid"] != in_a["pid"] and fresh["runs"] == 1, (in_a, fresh)
+    assert wait_until(lambda: gone(in_a["pid"]), 30)
+
+    for project in (a, b):
+        done = subprocess.run([sys.executable, "-m", "harness.pool", "stop"], cwd=project, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert "stopped 1 kept pool" in done.stderr, done.stderr
+    assert wait_until(lambda: gone(fresh["pid"]) and gone(in_b["pid"]), 30)
+    assert wait_until(lambda: left_in(box["runtime"]) == [], 10), left_in(box["runtime"] / "paritytest")
+    assert left_in(box["tmp"]) == []
+
+
+@pytest.mark.slow
+def test_a_client_killed_outright_takes_its_ranks_with_it_and_the_kept_pool_serves_the_next(box):
+    project = box["root"] / "project"
+    project.mkdir()
+    script = textwrap.dedent("""
+        import json, sys, time
+        from harness.pool.parent import Pool
+
+        pool = Pool(size=2, keep=120, preload=())
+        pool.run("harness.pool.tasks:noop", None, (("tp", 2),))
+        print(json.dumps(pool.pids), flush=True)
+        time.sleep(600)
+    """)
+    client = subprocess.Popen([sys.executable, "-c", script], cwd=project, env=box["env"], stdout=subprocess.PIPE,
+                              text=True)
+    pids = json.loads(client.stdout.readline())
+    assert len(pids) == 3  # the run's zygote and two ranks
+    kept = status(project, box["env"])
+    assert kept["live"] == [pids[0]]
+    client.send_signal(signal.SIGKILL)
+    client.wait()
+    client.stdout.close()
+    assert wait_until(lambda: all(gone(pid) for pid in pids), 30), [p for p in pids if not gone(p)]
+    assert wait_until(lambda: status(project, box["env"])["live"] == [], 10)
+    assert wait_until(lambda: left_in(box["tmp"]) == [], 10), [(p, sorted(os.listdir(p)), (p / "zygote.log").read_text() if (p / "zygote.log").exists() else "") for p in box["tmp"].iterdir()]
+
+    again = subprocess.run([sys.executable, "-c", script.replace("time.sleep(600)", "pool.close()")], cwd=project,
+                           env=box["env"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert status(project, box["env"])["pid"] == kept["pid"]
