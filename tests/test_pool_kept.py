@@ -123,6 +123,18 @@ def wait_until(predicate, timeout: float) -> bool:
     return predicate()
 
 
+def test_python_and_python3_of_one_environment_share_its_kept_pool(tmp_path):
+    """``.venv/bin/pytest`` runs python3 and ``.venv/bin/python -m pytest`` python: the same kept pool
+    (before, ``--stop-pool`` from one missed the pools the other started, and each started its own)."""
+    names = [n for n in ("python", "python3") if (Path(sys.prefix) / "bin" / n).exists()]
+    if len(names) < 2:
+        pytest.skip(f"this environment has only {names}")
+    code = "from harness.pool import kept; print(kept.checkout_key('.'), kept.fingerprint())"
+    said = {subprocess.run([str(Path(sys.prefix) / "bin" / n), "-c", code], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout for n in names}
+    assert len(said) == 1, said
+
+
 @pytest.mark.slow
 def test_an_edit_of_a_registered_implementation_is_seen_by_the_next_run_on_a_kept_pool(box):
     project = make_project(box["root"] / "project")
