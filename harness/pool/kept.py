@@ -87,8 +87,14 @@ def runtime_dir(create: bool = True) -> str:
     return path
 
 
+def interpreter() -> str:
+    """The interpreter, whichever name ran it: a venv's ``python`` and ``python3`` (pytest's script
+    runs the one, ``python -m pytest`` often the other) are one environment, with one kept pool."""
+    return os.path.realpath(sys.executable)
+
+
 def checkout_key(root: str) -> str:
-    text = "\0".join([os.path.realpath(root), sys.prefix, sys.executable])
+    text = "\0".join([os.path.realpath(root), sys.prefix, interpreter()])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -116,7 +122,7 @@ def fingerprint() -> str:
     """Changes when a file of the harness package, the interpreter or an installed distribution
     changes: what a keeper imported before it forks."""
     digest = hashlib.sha256()
-    digest.update("\0".join([sys.executable, sys.prefix, sys.version]).encode())
+    digest.update("\0".join([interpreter(), sys.prefix, sys.version]).encode())
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for dirpath, dirnames, filenames in os.walk(package):
         dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
