@@ -39,7 +39,6 @@ def cells(component: str, *, impls: Iterable[str], meshes: Iterable[str], dtypes
     return out
 
 
-
 FULL_ENV = "PARITYTEST_FULL_MATRIX"  # "1": design() returns the full product (pytest --full-matrix sets it)
 
 

@@ -69,6 +69,9 @@ def _usage(option: str, value, why: str) -> pytest.UsageError:
     return pytest.UsageError(f"{option} {value}: {why}")
 
 
+_KEEP = pytest.StashKey[float]()  # the kept pool's idle seconds (0: none), read once at configure
+
+
 # ---- torchrun mode (harness.torchrun): each pytest process is one rank ----------------------------
 _RUNNER = pytest.StashKey()
 _LOG = pytest.StashKey()  # a rank other than 0: the file its output goes to
@@ -199,9 +202,7 @@ def pytest_configure(config):
 
         stopped = stop(str(config.rootpath))
         pytest.exit(f"stopped {len(stopped)} kept pool(s) of {config.rootpath}", 0)
-    keep = keep_seconds(config)
-    if keep < 0:
-        raise _usage("--keep-pool", opt("--keep-pool"), "must be a positive number of seconds, e.g. --keep-pool 900")
+    config.stash[_KEEP] = keep_seconds(config)
     _check_implementations()
     _start_torchrun(config)
     if opt("--explore"):
@@ -303,7 +304,8 @@ def _cell_world(cfg: Config, component) -> int:
 
 
 def keep_seconds(config) -> float:
-    """How long a kept pool waits idle (0: none): --keep-pool [SECONDS], else $PARITYTEST_KEEP_POOL."""
+    """How long a kept pool waits idle (0: none): --keep-pool [SECONDS], else $PARITYTEST_KEEP_POOL;
+    a bad value is a usage error."""
     from .pool.kept import DEFAULT_IDLE, KeptPoolError, idle_from_env
 
     value = config.getoption("--keep-pool")
@@ -312,13 +314,17 @@ def keep_seconds(config) -> float:
             return idle_from_env()
         except KeptPoolError as error:
             raise pytest.UsageError(str(error)) from None
-    return DEFAULT_IDLE if value == -1.0 else (value if value > 0 else -1.0)
+    if value == -1.0:  # the option without a value
+        return DEFAULT_IDLE
+    if value <= 0:
+        raise _usage("--keep-pool", value, "must be a positive number of seconds, e.g. --keep-pool 900")
+    return value
 
 
 def _pool(config, size: int | None = None, preload: tuple[str, ...] | None = None):
     opt = config.getoption
     return shared_pool(size=size or opt("--pool-size"), backend=opt("--backend"), deadline=opt("--case-deadline"),
-                       preload=preload, keep=keep_seconds(config), root=str(config.rootpath))
+                       preload=preload, keep=config.stash[_KEEP], root=str(config.rootpath))
 
 
 # ---- a -k that selects no cell ----------------------------------------------------------------

@@ -34,9 +34,9 @@ class Timeline:
         worker.first, worker.last = min(worker.first, start), max(worker.last, stop)
         worker.busy += stop - start
 
-    def lines(self, end: float | None = None) -> list[str]:
-        """One line per worker, times from the session's start; empty without reports."""
-        end = time.time() if end is None else end
+    def lines(self) -> list[str]:
+        """One line per worker, times from the session's start to now; empty without reports."""
+        end = time.time()
         wall = end - self.start
         return [f"{name}: in tests {w.busy:.1f} s of {wall:.1f} s wall ({w.busy / wall:.0%}); first test at "
                 f"{w.first - self.start:.1f} s, last ended at {w.last - self.start:.1f} s "
