@@ -251,7 +251,8 @@ def _connect(path: str) -> socket.socket | None:
     return sock
 
 
-def _start(path: str, idle: float, preload: list[str]) -> None:
+def _start(path: str, idle: float, preload: list[str]) -> socket.socket:
+    """Start a keeper at ``path`` and return a connection to it."""
     spec = {"path": path, "idle": idle, "preload": preload}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
     with open(path[:-len(".sock")] + ".log", "ab") as log:
@@ -260,10 +261,13 @@ def _start(path: str, idle: float, preload: list[str]) -> None:
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
             env=env, cwd="/"))
     end = time.monotonic() + 60
-    while not os.path.exists(path):  # it binds its socket before it imports anything
+    # it listens before it imports anything; its socket file exists from bind, a moment before it
+    # listens, and a connection in that moment is refused: wait for one that is taken
+    while (sock := _connect(path)) is None:
         if _started[-1].poll() is not None or time.monotonic() > end:
             raise KeptPoolError(f"the kept pool did not start: see {path[:-len('.sock')]}.log")
         time.sleep(0.01)
+    return sock
 
 
 def request(root: str, idle: float, kept_preload: list[str], message: dict, fds) -> tuple[socket.socket, dict]:
@@ -278,10 +282,7 @@ def request(root: str, idle: float, kept_preload: list[str], message: dict, fds)
             if sock is None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)  # a keeper killed outright leaves its socket
-                _start(path, idle, kept_preload)
-                sock = _connect(path)
-                if sock is None:
-                    raise KeptPoolError(f"cannot connect to the kept pool at {path}")
+                sock = _start(path, idle, kept_preload)
             sock.settimeout(CONNECT_TIMEOUT)
             try:
                 send(sock, message, fds)
