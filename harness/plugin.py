@@ -156,7 +156,9 @@ def _own_temp_root() -> None:
 
 
 def _start_torchrun(config) -> None:
-    """Under torchrun: refuse xdist, leave the junit XML to rank 0, join the job's process group."""
+    """Under torchrun: refuse xdist, leave the junit XML to rank 0, give a rank other than 0 a
+    ``--basetemp`` of its own (``<basetemp>-rank<N>``, before pytest's tmpdir plugin reads it), join
+    the job's process group."""
     if not launched_by_torchrun() or config.option.help or config.option.version:
         return
     workers = getattr(config.option, "numprocesses", None)  # xdist's -n (0 or None: no workers)
@@ -165,6 +167,8 @@ def _start_torchrun(config) -> None:
                                     "(torchrun --nproc-per-node sets how many); drop -n")
     if os.environ["RANK"] != "0":
         config.option.xmlpath = None  # one report per job, rank 0's: the verdicts are the same on every rank
+        if config.option.basetemp:  # pytest empties its basetemp at the start: one each, or ranks empty each other's
+            config.option.basetemp = f"{os.path.normpath(config.option.basetemp)}-rank{os.environ['RANK']}"
     from .torchrun.runner import start
 
     runner = start(config.getoption("--backend"), config.getoption("--case-deadline"), _launcher_stderr)

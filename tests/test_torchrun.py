@@ -329,26 +329,34 @@ from pathlib import Path
 
 def test_tells_where_its_tmp_path_lives(tmp_path, tmp_path_factory):
     (tmp_path / "x").write_text("x")
-    root = tmp_path_factory.getbasetemp().parent
-    (Path(os.environ["ROOTS"]) / f"rank{os.environ['RANK']}").write_text(str(root))
+    (Path(os.environ["ROOTS"]) / f"rank{os.environ['RANK']}").write_text(str(tmp_path_factory.getbasetemp()))
 '''
 
 
-def test_each_rank_keeps_its_tmp_path_under_a_root_of_its_own(tmp_path):
+@pytest.mark.parametrize("basetemp", [False, True], ids=["default", "basetemp"])
+def test_each_rank_keeps_its_tmp_path_under_a_root_of_its_own(tmp_path, basetemp):
     """The ranks of a job end together; sharing pytest's ``pytest-of-<user>``, two of them at once
     unlink its dead ``pytest-current`` link and one exits 1 after its tests passed (the 16-rank
-    composed run's lost rank 6). Rank 0 keeps pytest's place, each other rank a root of its own."""
+    composed run's lost rank 6). Rank 0 keeps pytest's place, each other rank a root of its own.
+    A ``--basetemp`` given to all ranks, which pytest empties at its start, becomes one per rank."""
     import getpass
 
     project = make_project(tmp_path / "tmp_paths", {"test_tmp.py": TMP_PATH_CASES})
     roots = tmp_path / "roots"
     roots.mkdir()
+    given = ["--basetemp", str(tmp_path / "base")] if basetemp else []
     run = torchrun(["--standalone", "--nproc-per-node", "3"],
-                   ["test_tmp.py", "-o", "tmp_path_retention_policy=failed", "--rank-logs", str(tmp_path / "logs")],
+                   ["test_tmp.py", "-o", "tmp_path_retention_policy=failed", "--rank-logs", str(tmp_path / "logs"),
+                    *given],
                    cwd=project, env=dict(env_for(project), ROOTS=str(roots)), timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:] + rank_log_tails(run.stdout + run.stderr,
                                                                                          tmp_path / "logs")
-    shared = (tmp_path / "tmp" / f"pytest-of-{getpass.getuser()}").resolve()  # the job's TMPDIR (private_tmpdir)
     found = {p.name: Path(p.read_text()) for p in roots.iterdir()}
+    if basetemp:
+        base = (tmp_path / "base").resolve()
+        assert found == {"rank0": base, "rank1": Path(f"{base}-rank1"), "rank2": Path(f"{base}-rank2")}, found
+        return
+    shared = (tmp_path / "tmp" / f"pytest-of-{getpass.getuser()}").resolve()  # the job's TMPDIR (private_tmpdir)
+    found = {rank: path.parent for rank, path in found.items()}
     assert found == {"rank0": shared, "rank1": shared / "paritytest-rank1" / shared.name,
                      "rank2": shared / "paritytest-rank2" / shared.name}, found
