@@ -344,12 +344,13 @@ def pytest_deselected(items):
 
 
 def no_cell_matched(config, items) -> str | None:
-    """One line when ``-k`` left no cell of those collected: the expression, and what an id looks
-    like with a real one. The exit status stays pytest's 5 ("no tests ran"): the command line is
-    valid, and CI scripts that run shards tell an empty selection from a usage error (4) by it."""
+    """One line when ``-k`` left nothing of what was collected, cells among it: the expression, and
+    what an id looks like with a real one. The exit status stays pytest's 5 ("no tests ran"): the
+    command line is valid, and CI scripts that run shards tell an empty selection from a usage error
+    (4) by it. A ``-k`` that selects other tests only (``-k under_torchrun``) meant them: no line."""
     example = config.stash.get(_DESELECTED_CELL, None)
     keyword = config.getoption("keyword", "")
-    if not keyword or example is None or any(_cell_config(item) is not None for item in items):
+    if not keyword or example is None or items:
         return None
     from .config import ID_SHAPE
 

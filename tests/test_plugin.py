@@ -257,6 +257,11 @@ def test_a_k_that_matches_no_cell_says_so_with_the_shape_of_a_real_id(project, w
     assert example in {cfg.id for cfg in cells("tp", impls=["ours"], meshes=["tp=1", "tp=2"], dtypes=["fp32", "bf16"],
                                                sizes=SIZES, switches={"op": ["mlp"]})}
 
+    project.makepyfile(test_other="def test_helper():\n    pass\n")  # -k meant a test that is not a cell
+    result = run(project, "-k", "tp8 or helper", *workers)
+    result.assert_outcomes(passed=1)
+    assert "no cell matched" not in result.stdout.str()
+
 
 @pytest.mark.parametrize("installed", [True, False], ids=["installed", "not installed"])
 def test_the_checkout_runs_its_cells_with_the_plugin_installed_or_not(tmp_path, installed):
