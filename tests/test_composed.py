@@ -48,9 +48,9 @@ def _tree_rss(root: int) -> int:
 
 
 @pytest.mark.slow
-# Opt-in although its CI failure is understood and fixed (ranks racing in pytest's tmp cleanup, see
-# harness/plugin.py _own_temp_root): 16 processes and 6 GiB for 100-220 s starve the other xdist
-# worker; beside it a composed cell with a 30 s deadline hung (issue 20's note, "16-rank torchrun").
+# Opt-in in tests/: 16 processes and 6 GiB for 100-220 s starve the other xdist worker (beside it a
+# composed cell with a 30 s deadline hung: issue 20's note, "16-rank torchrun"). .ci/run runs it in a
+# step of its own, after tests/ and cases/.
 @pytest.mark.skipif(not os.environ.get("PARITYTEST_16_RANKS"),
                     reason="the 16-rank torchrun cell runs with PARITYTEST_16_RANKS=1: 16 processes, 6 GiB, "
                            "100-220 s on 2 cores, which starve a test beside it (issue 20's note)")
