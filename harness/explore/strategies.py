@@ -26,7 +26,11 @@ from ..config import Config, ConfigError
 from ..registry import Component, get, validate
 
 ATTEMPTS = 25  # drafts per drawn example before hypothesis is told the draw is invalid
-MAX_SEED = 2**16 - 1
+# Below 100 on purpose: hypothesis draws 1 integer in 20 from the literals of 100 or more (in
+# magnitude) that it finds in every local module loaded (the harness's own code, a user's conftest),
+# so a wider seed range made a seeded search change with unrelated edits of that code (a size range
+# a component declares past 100 is exposed the same way).
+MAX_SEED = 99
 LEAST = 4  # one size in LEAST is the least its range (and chosen multiple) allows: few tokens over many ranks
 
 
