@@ -105,8 +105,6 @@ def pytest_load_initial_conftests(early_config, parser, args):
         # the launcher's stderr, kept before pytest's capture replaces fd 2: a rank that exits for a
         # restart in the middle of a test still gets its failure text out there
         _launcher_stderr = os.dup(2)
-    if launched_by_torchrun():
-        _own_temp_root()
     if launched_by_torchrun() and os.environ["RANK"] != "0" and _quiet_stderr is None:
         where = getattr(early_config.known_args_namespace, "rank_logs", None) or os.path.join(
             tempfile.gettempdir(),
@@ -126,20 +124,26 @@ def pytest_load_initial_conftests(early_config, parser, args):
     yield
 
 
-def _own_temp_root() -> None:
-    """Under torchrun, a rank other than 0 makes its ``tmp_path`` directories under a root of its
-    own (``<temp dir>/pytest-of-<user>/paritytest-rank<N>``, pytest's ``PYTEST_DEBUG_TEMPROOT``),
-    unless the user chose one (``--basetemp``, ``PYTEST_DEBUG_TEMPROOT``).
+def _own_temp(config) -> None:
+    """Under torchrun, a rank other than 0 makes its ``tmp_path`` directories in places of its own:
+    under ``<temp dir>/pytest-of-<user>/paritytest-rank<N>`` (pytest's ``PYTEST_DEBUG_TEMPROOT``,
+    unless the user set it), or in ``<basetemp>-rank<N>`` when ``--basetemp`` is given. Set before
+    pytest's tmpdir plugin reads the option (this plugin configures first); the root is read lazily.
 
     The N pytest processes of a job would otherwise share ``pytest-of-<user>``, and they end at the
     same moment (the verdict reaches them together). At its end each pytest removes the dead
     symlinks of that directory (``pytest-current``, dead once a passing session removed its
     basetemp under ``tmp_path_retention_policy = "failed"``) with an unlink that fails when another
     process got there first: FileNotFoundError from ``cleanup_dead_symlinks``, and that rank exits 1
-    after its tests passed (1 or 2 of 6 runs of 16 processes here; docs/notes/issue-20.md). Rank 0
-    keeps pytest's usual place, where a user looks for it; pytest's numbering and retention apply
-    per rank, across jobs, as they do for one pytest."""
-    if os.environ["RANK"] == "0" or os.environ.get("PYTEST_DEBUG_TEMPROOT"):
+    after its tests passed (1 or 2 of 6 runs of 16 processes here; docs/notes/issue-20.md). A shared
+    ``--basetemp`` is worse: pytest empties it at its start, so the ranks empty each other's. Rank 0
+    keeps pytest's usual place, or the basetemp as given, where a user looks for it; pytest's
+    numbering and retention apply per rank, across jobs, as they do for one pytest."""
+    rank = os.environ["RANK"]
+    if config.option.basetemp:
+        config.option.basetemp = f"{os.path.normpath(config.option.basetemp)}-rank{rank}"
+        return
+    if os.environ.get("PYTEST_DEBUG_TEMPROOT"):
         return
     import getpass
 
@@ -147,7 +151,7 @@ def _own_temp_root() -> None:
         user = getpass.getuser()
     except (ImportError, OSError, KeyError):
         user = "unknown"
-    root = os.path.join(tempfile.gettempdir(), f"pytest-of-{user}", f"paritytest-rank{os.environ['RANK']}")
+    root = os.path.join(tempfile.gettempdir(), f"pytest-of-{user}", f"paritytest-rank{rank}")
     try:
         os.makedirs(root, mode=0o700, exist_ok=True)
     except OSError:
@@ -156,9 +160,8 @@ def _own_temp_root() -> None:
 
 
 def _start_torchrun(config) -> None:
-    """Under torchrun: refuse xdist, leave the junit XML to rank 0, give a rank other than 0 a
-    ``--basetemp`` of its own (``<basetemp>-rank<N>``, before pytest's tmpdir plugin reads it), join
-    the job's process group."""
+    """Under torchrun: refuse xdist, leave the junit XML to rank 0, give the other ranks temp
+    directories of their own, join the job's process group."""
     if not launched_by_torchrun() or config.option.help or config.option.version:
         return
     workers = getattr(config.option, "numprocesses", None)  # xdist's -n (0 or None: no workers)
@@ -167,8 +170,7 @@ def _start_torchrun(config) -> None:
                                     "(torchrun --nproc-per-node sets how many); drop -n")
     if os.environ["RANK"] != "0":
         config.option.xmlpath = None  # one report per job, rank 0's: the verdicts are the same on every rank
-        if config.option.basetemp:  # pytest empties its basetemp at the start: one each, or ranks empty each other's
-            config.option.basetemp = f"{os.path.normpath(config.option.basetemp)}-rank{os.environ['RANK']}"
+        _own_temp(config)
     from .torchrun.runner import start
 
     runner = start(config.getoption("--backend"), config.getoption("--case-deadline"), _launcher_stderr)

@@ -48,7 +48,7 @@ def test_a_covering_design_is_deterministic_and_keeps_every_value_of_a_single_ax
     assert pairs_by_group(chosen) == pairs_by_group(product)
 
 
-def collected(*args, env=None) -> int:
+def collected(*args, env=None) -> subprocess.CompletedProcess:
     done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                            "cases/test_ring_attention.py", *args], cwd=ROOT, capture_output=True, text=True,
                           env=dict(os.environ, **(env or {})))
