@@ -56,9 +56,11 @@ class Found(AssertionError):
     """Raised inside the hypothesis test when a config fails the way the first failure did."""
 
 
-class Spent(BaseException):
-    """The budget ran out: stops hypothesis at once (it passes BaseException through, unjudged).
-    Every failing example it met is already in its database."""
+class Spent(KeyboardInterrupt):
+    """The budget ran out: stops hypothesis at once. Every failing example it met is already in its
+    database. A KeyboardInterrupt because that is the one exception hypothesis passes through without
+    saving the example that raised it: any other BaseException's example goes into the database as a
+    failure, and the next run replayed a config that passes (a shrink cut short by its seconds)."""
 
 
 @dataclass
