@@ -1,4 +1,4 @@
-"""FSDP/HSDP: parallel/fsdp.py (and FSDP2 ``fully_shard``) against reference/fsdp.py.
+"""FSDP/HSDP: harness/parallel/fsdp.py (and FSDP2 ``fully_shard``) against reference/fsdp.py.
 
 Axes, and why:
 
@@ -47,7 +47,7 @@ def reduction_probe(ctx, microbatches: int):
     """On every rank: one FSDPParam in bf16 compute; backward of known gradients; the reduced shard."""
     import torch
 
-    from parallel.fsdp import DPGroups, FSDPParam, GatherParam
+    from harness.parallel.fsdp import DPGroups, FSDPParam, GatherParam
 
     groups = DPGroups.of(ctx.device_mesh)
     param = FSDPParam("w", torch.zeros(PROBE_ROWS, 3), groups, torch.bfloat16)
@@ -86,7 +86,7 @@ def gather_probe(ctx, cfg_id: str):
     import weakref
 
     from harness.config import Config
-    from parallel.fsdp import build, local_rows
+    from harness.parallel.fsdp import build, local_rows
     from reference.common import probe_loss
     from reference.fsdp import make_problem
 

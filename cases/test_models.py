@@ -3,7 +3,7 @@
 Each model's cells are in a list of their own (one line each below, so models added on other
 branches merge as one-line changes). Axes, and why:
 
-* titan (models/titan.py, torchtitan's way): TP with sequence parallel and loss_parallel (tp2),
+* titan (harness/examples/titan.py, torchtitan's way): TP with sequence parallel and loss_parallel (tp2),
   composed with FSDP2 (dp2.tp2, in fp32 and bf16 autocast), HSDP (rep2.dp2), the 1F1B pipeline
   with FSDP2 (pp2.dp2) and with TP and FSDP2 on three dims at 8 ranks (pp2.dp2.tp2), HSDP × TP at 8
   ranks, and the interleaved 1F1B schedule (pp2, pp2.dp2).
@@ -17,17 +17,17 @@ TITAN = (model_cells("titan", impls=["titan"], meshes=["tp=2", "rep=2,dp=2", "pp
          + model_cells("titan", impls=["titan"], meshes=["dp=2,tp=2"], dtypes=["fp32", "bf16"])
          + model_cells("titan", impls=["interleaved"], meshes=["pp=2", "pp=2,dp=2"]))
 
-# transformers' tiny Llama (models/llama_hf.py): its own TP plan, FSDP2, HSDP and TP x FSDP2; Qwen3-MoE
-# (models/qwen3moe_hf.py): its EP plan (all_to_all) x FSDP2, expert copies summed over efsdp or not
-from models import llama_hf, qwen3moe_hf  # noqa: E402
+# transformers' tiny Llama (harness/examples/llama_hf.py): its own TP plan, FSDP2, HSDP and TP x FSDP2; Qwen3-MoE
+# (harness/examples/qwen3moe_hf.py): its EP plan (all_to_all) x FSDP2, expert copies summed over efsdp or not
+from harness.examples import llama_hf, qwen3moe_hf  # noqa: E402
 
 HF = llama_hf.cells() + qwen3moe_hf.cells()
 
-# the project's own components composed (models/composed.py): the 5D seed pp2·ep2·cp2 with FSDP over
+# the project's own components composed (harness/examples/composed.py): the 5D seed pp2·ep2·cp2 with FSDP over
 # dp·cp, the 3D seed pp2·dp2·tp2 (autograd and its manual-backward MLP), dp2ep on dp2·cp2·tp2, and a
 # reshard of FSDP4·TP2·EP2 to HSDP2×2·TP2·EP2; the 16-rank pp2·dp2·cp2·tp2·ep4 cell runs under torchrun
 # (tests/test_composed.py)
-from models.composed import cells as composed_cells  # noqa: E402
+from harness.examples.composed import cells as composed_cells  # noqa: E402
 
 COMPOSED = composed_cells()
 

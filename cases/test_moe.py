@@ -1,4 +1,4 @@
-"""Expert parallelism: parallel/moe.py against reference/moe.py.
+"""Expert parallelism: harness/parallel/moe.py against reference/moe.py.
 
 How the matrix is chosen (not the full product, which would be ~2,000 cells):
 
@@ -19,7 +19,7 @@ How the matrix is chosen (not the full product, which would be ~2,000 cells):
   receiving no token (route_skew), top-k = e, k=1 with renormalised gates (gate = 1: the router
   learns only from the aux loss), on meshes of each kind, in both dtypes.
 
-Implementation ``hf`` (transformers' apply_expert_parallelism, ``parallel/moe_hf.py``) runs a small
+Implementation ``hf`` (transformers' apply_expert_parallelism, ``harness/parallel/moe_hf.py``) runs a small
 matrix of its own, ~36 cells: only what transformers can express (dropless, softmax router, no etp,
 ep a multiple of the dense tp), on the meshes where its code paths differ: one rank, dense ep 2 and 4
 (tp_mesh of one rank), dp2ep with efsdp copies (dp=4 ep2) and without (dp=4 ep4), dense tp ranks
@@ -27,7 +27,7 @@ slicing the batch before the exchange (dp=2,tp=2 with ep=4 and with ep=tp=2); ev
 fp32 (the one-rank mesh once), four meshes once in bf16; its second EPImplementation (switch
 epimpl, all_reduce) where the expert group shares one batch; a starved ep rank and one-expert routing; the experts' grouped_mm and
 batched_mm kernels (switch experts, absent = eager) on both EPImplementations; and the cells it is
-declared to get wrong (strict xfail) or cannot run (skip), from ``parallel/thirdparty.py``.
+declared to get wrong (strict xfail) or cannot run (skip), from ``harness/parallel/thirdparty.py``.
 """
 import pytest
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism: parallel/pipeline.py (and torch.distributed.pipelining) against reference/pipeline.py.
+"""Pipeline parallelism: harness/parallel/pipeline.py (and torch.distributed.pipelining) against reference/pipeline.py.
 
 How the axes were chosen:
 
@@ -17,7 +17,7 @@ How the axes were chosen:
   same), too close to 1 to tell from a bug.
 * dp × pp (dp=2,pp=2 with dp outermost, pp=4,dp=2 with pp outermost: peers that a hand-written
   "rank ± 1" map gets wrong on one of them), and pp × tp 2×2 with the tensor-parallel layers of
-  parallel/tp.py inside each stage; m ∈ {pp, pp+1} in fp32, pp+1 in bf16.
+  harness/parallel/tp.py inside each stage; m ∈ {pp, pp+1} in fp32, pp+1 in bf16.
 * torch.distributed.pipelining: each pp and mesh at m = pp+1 with tied on, fp32 (bf16 at pp=4 and
   pp×tp); its pp=1 interleaved tied cell skips with the measured reason.
 
@@ -27,8 +27,8 @@ import pytest
 
 from harness.config import Config
 from harness.matrix import cells
-from parallel.pipeline import schedule
-from parallel.pipeline_schedule import simulate, table
+from harness.parallel.pipeline import schedule
+from harness.parallel.pipeline_schedule import simulate, table
 from reference.pipeline import SIZES
 
 PP = (1, 2, 3, 4, 8)

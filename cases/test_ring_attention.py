@@ -1,4 +1,4 @@
-"""Context parallelism: parallel/ring_attention.py (and torch's context_parallel) against reference/ring_attention.py.
+"""Context parallelism: harness/parallel/ring_attention.py (and torch's context_parallel) against reference/ring_attention.py.
 
 Axes: 8 meshes (cp 1, 2, 3, 4, 8; dp and tp beside cp) x mask (causal, full) x layout (contig,
 zigzag) x GQA (on, off) x fp32/bf16 x s in {24, 48}, less the cp=8 zigzag cells at s=24 (16 chunks

@@ -1,4 +1,4 @@
-"""Tensor parallelism: parallel/tp.py, DTensor's parallelize_module, transformers' TP styles and
+"""Tensor parallelism: harness/parallel/tp.py, DTensor's parallelize_module, transformers' TP styles and
 Megatron-Core's layers, against reference/tp.py.
 
 Axes: every op; meshes from one rank to eight, with tp=3 for torch.chunk's uneven shards and dp x tp
@@ -13,7 +13,7 @@ marks them).
 import pytest
 
 from harness.matrix import cells
-from parallel.thirdparty import HF_ALIASES, HF_STYLES
+from harness.parallel.thirdparty import HF_ALIASES, HF_STYLES
 from reference.tp import OPS, SIZES
 
 MESHES = ["tp=1", "tp=2", "tp=3", "tp=4", "tp=8", "dp=2,tp=2", "dp=2,tp=4", "dp=4,tp=2"]

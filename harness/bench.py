@@ -16,7 +16,7 @@ speedup is a ratio against the baseline run right here):
 * spawn-per-test, the baseline: the same cell in freshly spawned processes with a fresh process
   group, as PyTorch's MultiProcessTestCase runs each test; for the TP cell and for the whole-model
   cell (``MODELS``: transformers' tiny Llama, its TP plan x FSDP2 on dp=2,tp=2, 3 steps; without
-  transformers, models/titan.py on the same mesh).
+  transformers, harness/examples/titan.py on the same mesh).
 
 The table goes to stderr; with ``--json``, stdout is one JSON object with the figures, nothing else
 (``python -m harness.bench --json | jq .speedup_vs_spawn``). About a minute on 2 idle cores.
@@ -60,7 +60,7 @@ CELLS = {
                               {"sched": "interleaved", "tied": "on"}),
     "hsdp_2x2": Config("fsdp", "ours", {"rep": 2, "shard": 2}, "fp32", dict(b=72, h=6, f=13, o=5, m=1)),
     "ckpt_fsdp3_to_hsdp2x4": Config("ckpt", "dcp", {"w": 8}, "fp32", CKPT_SIZES, {"save": "fsdp3", "load": "hsdp2x4"}),
-    # whole models: transformers' tiny Llama (2 layers, its TP plan x FSDP2), models/titan.py (a 2-layer
+    # whole models: transformers' tiny Llama (2 layers, its TP plan x FSDP2), harness/examples/titan.py (a 2-layer
     # Llama, TP + SP + loss_parallel x FSDP2); 4 ranks, 3 AdamW steps
     **MODELS,
 }

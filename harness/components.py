@@ -1,4 +1,4 @@
-"""The built-in components. Each mirrors reference/<name>.py and parallel/<name>.py."""
+"""The built-in components. Each mirrors reference/<name>.py and harness/parallel/<name>.py."""
 from dataclasses import replace
 
 from reference.tp import OPS as TP_OPS
@@ -20,102 +20,102 @@ CKPT_LAYOUTS = ("fsdp1", "fsdp2", "fsdp3", "fsdp4", "fsdp8", "hsdp2x2", "hsdp2x4
 register_component(Component(
     name="tp",
     reference="reference.tp:reference",
-    validate="parallel.tp:validate",
+    validate="harness.parallel.tp:validate",
     reduction="reference.tp:reduction_size",
     space=Space(dims=("dp", "tp"), sizes=dict(b=(1, 8), s=(2, 12), h=(4, 24), f=(4, 40), v=(4, 48)),
                 switches={"op": TP_OPS}),
     implementations={
-        "ours": Implementation("ours", "parallel.tp:run"),
-        "dtensor": Implementation("dtensor", "parallel.tp_dtensor:run", skip="parallel.tp_dtensor:skip_reason"),
+        "ours": Implementation("ours", "harness.parallel.tp:run"),
+        "dtensor": Implementation("dtensor", "harness.parallel.tp_dtensor:run", skip="harness.parallel.tp_dtensor:skip_reason"),
         # third-party libraries (pip install -e '.[thirdparty]'); skips and known divergences as data
-        "hf": Implementation("hf", "parallel.tp_hf:run", skip="parallel.thirdparty:hf_skip",
-                             xfail="parallel.thirdparty:hf_xfail"),
-        "megatron": Implementation("megatron", "parallel.tp_megatron:run", skip="parallel.thirdparty:megatron_skip",
-                                   xfail="parallel.thirdparty:megatron_xfail"),
+        "hf": Implementation("hf", "harness.parallel.tp_hf:run", skip="harness.parallel.thirdparty:hf_skip",
+                             xfail="harness.parallel.thirdparty:hf_xfail"),
+        "megatron": Implementation("megatron", "harness.parallel.tp_megatron:run", skip="harness.parallel.thirdparty:megatron_skip",
+                                   xfail="harness.parallel.thirdparty:megatron_xfail"),
     },
 ))
 
 register_component(Component(
     name="ringattn",
     reference="reference.ring_attention:reference",
-    validate="parallel.ring_attention:validate",
+    validate="harness.parallel.ring_attention:validate",
     reduction="reference.ring_attention:reduction_size",
     space=Space(dims=("dp", "cp", "tp"), sizes=dict(b=(1, 4), q=(2, 8), d=(2, 8), h=(4, 16), s=(8, 48))),
     simplest={"mask": ("full", "causal"), "layout": ("contig", "zigzag"), "gqa": ("off", "on")},
     implementations={
-        "ours": Implementation("ours", "parallel.ring_attention:run"),
-        "torch": Implementation("torch", "parallel.ring_attention_torch:run",
-                                skip="parallel.ring_attention_torch:skip_reason", omits=("lse",)),
+        "ours": Implementation("ours", "harness.parallel.ring_attention:run"),
+        "torch": Implementation("torch", "harness.parallel.ring_attention_torch:run",
+                                skip="harness.parallel.ring_attention_torch:skip_reason", omits=("lse",)),
     },
 ))
 
 register_component(Component(
     name="moe",
     reference="reference.moe:reference",
-    validate="parallel.moe:validate",
+    validate="harness.parallel.moe:validate",
     reduction="reference.moe:reduction_size",
     space=Space(dims=("ep", "etp", "dp", "tp"), sizes=dict(t=(4, 32), e=(2, 16), k=(1, 4), h=(4, 12), f=(4, 24)),
                 switches={"route": ("rand", "one", "skew"),
                           "emesh": ("dense", "ep1", "ep2", "ep3", "ep4", "ep8", "ep2etp2", "ep4etp2", "ep2etp4")}),
-    meshes="parallel.thirdparty:moe_meshes",  # parallel.moe:meshes, plus transformers' 1-rank tp dim for hf
+    meshes="harness.parallel.thirdparty:moe_meshes",  # harness.parallel.moe:meshes, plus transformers' 1-rank tp dim for hf
     simplest={"cap": ("none", "100", "125"), "score": ("softmax", "sigmoid"), "norm": ("off", "on")},
     implementations={
-        "ours": Implementation("ours", "parallel.moe:run"),
+        "ours": Implementation("ours", "harness.parallel.moe:run"),
         # transformers' apply_expert_parallelism (pip install -e '.[thirdparty]'): dropless, no `dropped`
-        "hf": Implementation("hf", "parallel.moe_hf:run", skip="parallel.thirdparty:hf_moe_skip",
-                             omits=("dropped",), xfail="parallel.thirdparty:hf_moe_xfail"),
+        "hf": Implementation("hf", "harness.parallel.moe_hf:run", skip="harness.parallel.thirdparty:hf_moe_skip",
+                             omits=("dropped",), xfail="harness.parallel.thirdparty:hf_moe_xfail"),
     },
 ))
 
 register_component(Component(
     name="fsdp",
     reference="reference.fsdp:reference",
-    validate="parallel.fsdp:validate",
+    validate="harness.parallel.fsdp:validate",
     reduction="reference.fsdp:reduction_size",
     space=Space(dims=("rep", "shard", "dp", "tp"), sizes=dict(m=(1, 4), b=(4, 48), h=(4, 8), f=(4, 16), o=(4, 6))),
     implementations={
-        "ours": Implementation("ours", "parallel.fsdp:run"),
-        "fsdp2": Implementation("fsdp2", "parallel.fsdp_torch:run", skip="parallel.fsdp_torch:skip_reason"),
+        "ours": Implementation("ours", "harness.parallel.fsdp:run"),
+        "fsdp2": Implementation("fsdp2", "harness.parallel.fsdp_torch:run", skip="harness.parallel.fsdp_torch:skip_reason"),
     },
 ))
 
 register_component(Component(
     name="pp",
     reference="reference.pipeline:reference",
-    validate="parallel.pipeline:validate",
+    validate="harness.parallel.pipeline:validate",
     reduction="reference.pipeline:reduction_size",
     # l up to 8: deeper bf16 pipelines round past the bf16 tolerance (cases/test_pipeline.py, measured)
     space=Space(dims=("dp", "pp", "tp"), sizes=dict(m=(1, 12), vs=(1, 3), l=(1, 8), b=(2, 32), s=(2, 6), h=(4, 8),
                                                     f=(4, 16), v=(4, 24))),
     simplest={"sched": ("gpipe", "1f1b", "interleaved"), "tied": ("off", "on")},
     implementations={
-        "ours": Implementation("ours", "parallel.pipeline:run"),
-        "torch": Implementation("torch", "parallel.pipeline_torch:run", skip="parallel.pipeline_torch:skip_reason"),
+        "ours": Implementation("ours", "harness.parallel.pipeline:run"),
+        "torch": Implementation("torch", "harness.parallel.pipeline_torch:run", skip="harness.parallel.pipeline_torch:skip_reason"),
     },
 ))
 
 register_component(Component(
     name="ckpt",
     reference="reference.checkpoint:reference",
-    validate="parallel.checkpoint:validate",
+    validate="harness.parallel.checkpoint:validate",
     reduction="reference.checkpoint:reduction_size",
     space=Space(dims=("w",), sizes=dict(b=(4, 24), h=(4, 8), f=(4, 12)), dtypes=("fp32",),
                 switches={"save": CKPT_LAYOUTS, "load": CKPT_LAYOUTS}),
-    meshes="parallel.checkpoint:meshes",
+    meshes="harness.parallel.checkpoint:meshes",
     implementations={
-        "dcp": Implementation("dcp", "parallel.checkpoint:run"),
+        "dcp": Implementation("dcp", "harness.parallel.checkpoint:run"),
     },
 ))
 
-# ---- whole models (harness.model): models/<name>.py, each a ModelCase and its parallelize functions ----
+# ---- whole models (harness.model): harness/examples/<name>.py, each a ModelCase and its parallelize functions ----
 from .model.register import register_model  # noqa: E402  (after the registry is filled: no cycle)
 
-register_model("titan", "models.titan:CASE", impls=("titan", "interleaved"))
+register_model("titan", "harness.examples.titan:CASE", impls=("titan", "interleaved"))
 # the project's own five components in one transformer (issue 20)
 # (ten steps of ~50 collectives each on 8 gloo ranks: up to ~40 s on a loaded 2-core machine)
-register_model("composed", "models.composed:CASE", impls=("composed", "manual"), deadline_factor=4.0)
+register_model("composed", "harness.examples.composed:CASE", impls=("composed", "manual"), deadline_factor=4.0)
 # transformers' own models (pip install -e '.[thirdparty]'; without it their cells skip saying so)
-for _name, _case, _impls in (("llama", "models.llama_hf:CASE", ("tp", "fsdp", "tpfsdp")),
-                             ("qwen3moe", "models.qwen3moe_hf:CASE", ("ep",))):
+for _name, _case, _impls in (("llama", "harness.examples.llama_hf:CASE", ("tp", "fsdp", "tpfsdp")),
+                             ("qwen3moe", "harness.examples.qwen3moe_hf:CASE", ("ep",))):
     _model = register_model(_name, _case, impls=_impls)
-    _model.implementations = {k: replace(i, skip="models.hf:skip") for k, i in _model.implementations.items()}
+    _model.implementations = {k: replace(i, skip="harness.examples.hf:skip") for k, i in _model.implementations.items()}

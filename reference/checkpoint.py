@@ -7,7 +7,7 @@ the first step is the state the second step starts from. So the reference is two
     step 1 on (x1, probe1)  -> the state that is saved, and that every load must restore bit for bit
     step 2 on (x2, probe2)  -> the step taken after "resume"
 
-Results (names shared with ``parallel/checkpoint.py``):
+Results (names shared with ``harness/parallel/checkpoint.py``):
 
     loaded/param/<p>, loaded/opt/exp_avg/<p>, loaded/opt/exp_avg_sq/<p>    state after step 1
     resumed/loss, resumed/param/<p>, resumed/opt/...                       step 2 and the state after it

@@ -24,7 +24,7 @@ counted **over the whole global batch**, first come first served in token order:
 kept when fewer than C slots of earlier tokens chose the same expert. (A token chooses an expert at
 most once, so the order of choices within a token does not matter.) Counting over the global batch
 makes the result independent of the mesh; the parallel side counts the same way across its ranks
-(``parallel/moe.py``). A dropped slot contributes nothing to ``out`` and ``dropped`` reports it.
+(``harness/parallel/moe.py``). A dropped slot contributes nothing to ``out`` and ``dropped`` reports it.
 
 The auxiliary loss is Switch's: ``frac_e`` is the share of all t·k slots routed to expert e (before
 capacity drops; no gradient), ``prob_e`` the mean over tokens of the router's probability for e

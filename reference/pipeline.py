@@ -12,7 +12,7 @@ accumulating: the mean over the global batch as a user writes it. Then one AdamW
 optimizer state is checked too. Gradients are reported as AdamW sees them (of the scaled loss).
 
 Block parameters are stacked along a leading layer dim (``w1``: [L, f, h], ...): the pipeline hands
-out layers by that dim (``parallel/pipeline.py``), and AdamW, elementwise, steps a stacked tensor
+out layers by that dim (``harness/parallel/pipeline.py``), and AdamW, elementwise, steps a stacked tensor
 exactly as it steps its slices.
 """
 from __future__ import annotations

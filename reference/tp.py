@@ -5,7 +5,7 @@ Ops (switch ``op``), each a small layer with the loss and the training step arou
     colgather, colshard  y = x W^T + b                          W: [f, h]
     rowsplit, rowshard   y = x W^T + b                          W: [h, f], x: [b, s, f]
     mlp                  y = gelu(x W1^T + b1) W2^T + b2
-    sp                   y = x + mlp(layer_norm(x))             (sequence parallel in parallel/tp.py)
+    sp                   y = x + mlp(layer_norm(x))             (sequence parallel in harness/parallel/tp.py)
     embed                y = E[ids]                             E: [v, h]
     xent                 loss = cross_entropy(x H^T, labels)    H: [v, h]
     gateup               y = (silu(x Wg^T) * (x Wu^T)) Wd^T + bd  Wg, Wu packed as W_gu: [2f, h]

@@ -27,7 +27,7 @@ def test_tp(cfg, parity):
 '''
 
 BUGGY = '''
-import parallel.tp as tp
+import harness.parallel.tp as tp
 
 
 def run(ctx, cfg):

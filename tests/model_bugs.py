@@ -1,11 +1,11 @@
 """Users' parallelize functions with planted bugs (tests/test_model_bugs.py), each a mistake a team
-makes in its own parallelize code, on models/titan.py's model. Never flags in production code: each
+makes in its own parallelize code, on harness/examples/titan.py's model. Never flags in production code: each
 bug is a different parallelize function registered as an implementation of the ``bugs`` model."""
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from harness.model import ModelCase
-from models import titan
+from harness.examples import titan
 
 
 def wo_colwise(model, meshes):

@@ -1,18 +1,18 @@
 """A user's expert-parallel plan with a planted bug (tests/test_model_bugs_moe.py), on transformers'
-tiny Qwen3-MoE (models/qwen3moe_hf.py). Never a flag in production code: the bug is a parallelize
+tiny Qwen3-MoE (harness/examples/qwen3moe_hf.py). Never a flag in production code: the bug is a parallelize
 function of its own, registered as the ``noexpsum`` implementation of the ``qwen3moebug`` model."""
 import dataclasses
 
 from torch.distributed.fsdp import fully_shard
 
-from models import qwen3moe_hf
+from harness.examples import qwen3moe_hf
 
 
 def ep_without_expert_sum(model, meshes):
     """transformers' EP plan (all_to_all) by hand, FSDP2 over dp_shard for everything but the experts,
     which are left out of it (``ignored_params``) and so never summed over their copies (efsdp): each
     copy of an expert steps on the gradient of the tokens its own ep group routed to it."""
-    from models.hf import DistributedConfig
+    from harness.examples.hf import DistributedConfig
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
     spec = meshes.spec

@@ -1,4 +1,4 @@
-"""Planted bugs in the composed model (models/composed.py), one component broken in one block each,
+"""Planted bugs in the composed model (harness/examples/composed.py), one component broken in one block each,
 registered as implementations of the model ``composedbug`` (tests/test_composed_bugs.py): never
 flags in production code. Each is the composed model's own ``parallelize`` with one module of the
 result patched on this rank's instance (or, for the ring, its mask function swapped while that
@@ -18,14 +18,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import parallel.moe as par_moe
-import parallel.ring_attention as par_ring
+import harness.parallel.moe as par_moe
+import harness.parallel.ring_attention as par_ring
 from harness.events import paused
 from harness.model import ModelCase
-from models import composed
-from models.composed_parallel import ParallelAttention, parallelize as composed_parallelize
-from parallel.collectives import group_size
-from parallel.tp import column_parallel
+from harness.examples import composed
+from harness.examples.composed_parallel import ParallelAttention, parallelize as composed_parallelize
+from harness.parallel.collectives import group_size
+from harness.parallel.tp import column_parallel
 from reference.ring_attention import merge_heads, split_heads
 from tests.planted import patched
 
@@ -92,7 +92,7 @@ def no_dp_sum(model, meshes):
     if block is not None:  # the second stage (pp=2) or the whole model
         for fp, _ in block.unit.flat.values():
             def reduce(grad_full, fp=fp):
-                from parallel.collectives import group_rank
+                from harness.parallel.collectives import group_rank
 
                 c = group_rank(fp.groups.shard)
                 return grad_full.float()[c:c + 1] / fp.groups.world  # no reduce-scatter, no rep sum
@@ -125,7 +125,7 @@ def _attention_leaky(self, x):
     q, k, v = (split_heads(column_parallel(x, self.get[w](), None, g.tp), heads) for w in ("wq", "wk", "wv"))
     with paused():
         out, _ = LeakyRing.apply(q, k, v, g.cp, self.pos, True, None)
-    from parallel.tp import row_parallel
+    from harness.parallel.tp import row_parallel
 
     return row_parallel(merge_heads(out), self.get["wo"](), None, g.tp)
 

@@ -8,7 +8,7 @@ from torch.distributed.tensor import Shard
 from harness.layout import take
 from harness.layout import Shard as Cut
 from harness.model import ModelCase
-from parallel.collectives import reduce_from_group
+from harness.parallel.collectives import reduce_from_group
 
 
 class MLP(nn.Module):

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from harness.model import ModelCase
-from parallel.collectives import copy_to_group, reduce_from_group
+from harness.parallel.collectives import copy_to_group, reduce_from_group
 
 
 def build():

@@ -8,12 +8,12 @@ import os
 
 import torch
 
-import parallel.checkpoint as checkpoint
-import parallel.fsdp as fsdp
-import parallel.moe as moe
-import parallel.pipeline as pipeline
-import parallel.ring_attention as ring
-import parallel.tp as tp
+import harness.parallel.checkpoint as checkpoint
+import harness.parallel.fsdp as fsdp
+import harness.parallel.moe as moe
+import harness.parallel.pipeline as pipeline
+import harness.parallel.ring_attention as ring
+import harness.parallel.tp as tp
 
 
 @contextlib.contextmanager

@@ -6,11 +6,11 @@ where the bug shows and why no matrix cell has that shape.
 """
 import torch
 
-import parallel.moe as moe
-import parallel.pipeline as pipeline
-import parallel.pipeline_schedule as schedule
-import parallel.ring_attention as ring
-import parallel.tp as tp
+import harness.parallel.moe as moe
+import harness.parallel.pipeline as pipeline
+import harness.parallel.pipeline_schedule as schedule
+import harness.parallel.ring_attention as ring
+import harness.parallel.tp as tp
 from harness.layout import Shard, chunk_bounds
 from tests.planted import patched
 

@@ -16,8 +16,8 @@ import torch
 
 from harness.config import Config
 from harness.pool.parent import CaseFailure
-from parallel.checkpoint import _local, parse_layout, side
-from parallel.checkpoint_io import MANIFEST, METADATA, CheckpointError
+from harness.parallel.checkpoint import _local, parse_layout, side
+from harness.parallel.checkpoint_io import MANIFEST, METADATA, CheckpointError
 from reference.checkpoint import SIZES, make_problem
 
 LAYOUT = parse_layout("fsdp2")

@@ -1,7 +1,7 @@
 """README's table of what each built-in component expects back, held to the references.
 
 The table (section "What each built-in component expects back") is what a user writing an outside
-implementation reads instead of ``parallel/<c>.py``; this test parses it and runs the reference of
+implementation reads instead of ``harness/parallel/<c>.py``; this test parses it and runs the reference of
 a config of every component (every ``tp`` op, both ``tied`` of ``pp``, both ``aux`` of ``moe``), so a
 result renamed, added or reshaped in a reference fails here until README says so.
 """

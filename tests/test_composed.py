@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from models.composed import cells16
+from harness.examples.composed import cells16
 from tests.test_torchrun import env_for, outcomes, private_tmpdir, rank_log_tails  # noqa: F401  (autouse fixture)
 
 CELLS16 = cells16()
@@ -95,7 +95,7 @@ def test_the_16_rank_cell_under_torchrun(tmp_path):
     assert [outcome for _, outcome, _ in outcomes(xml)] == ["passed"]
 
 
-@pytest.mark.parametrize("cfg", __import__("models.composed", fromlist=["reshard_tp"]).reshard_tp(), ids=str)
+@pytest.mark.parametrize("cfg", __import__("harness.examples.composed", fromlist=["reshard_tp"]).reshard_tp(), ids=str)
 def test_composed_reshard_fsdp4_tp2_ep2_to_hsdp(cfg, rank_pool):
     """The issue's trip: FSDP4·TP2·EP2 saved after step 5, loaded as HSDP 2×2·TP2·EP2 for steps 6-10;
     its losses and final state equal the reference's (and so the run that never resharded). Two

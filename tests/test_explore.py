@@ -14,8 +14,8 @@ from harness.bisect.runner import Trials
 from harness.explore.__main__ import targets
 from harness.explore.strategies import configs, runnable
 from harness.registry import COMPONENTS, Component, Space, get, register_component, register_implementation
-from parallel.moe import layout as moe_layout
-from parallel.pipeline_schedule import rounds
+from harness.parallel.moe import layout as moe_layout
+from harness.parallel.pipeline_schedule import rounds
 
 from .test_workflow import lint, load
 
@@ -96,7 +96,7 @@ def test_a_component_registered_later_and_a_users_implementation_are_explored_wi
                     space=Space(dims=("tp",), sizes=dict(b=(1, 2), s=(1, 4), h=(2, 4), f=(1, 6), v=(1, 6)),
                                 switches={"op": ("mlp", "sp")}, dtypes=("fp32",)))
     register_component(toy)
-    register_implementation("tp", "mine", "parallel.tp:run")
+    register_implementation("tp", "mine", "harness.parallel.tp:run")
     try:
         seen = []
 

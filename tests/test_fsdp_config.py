@@ -1,4 +1,4 @@
-"""FSDP configs: each rule of parallel/fsdp.py:validate rejects a bad config, with its message,
+"""FSDP configs: each rule of harness/parallel/fsdp.py:validate rejects a bad config, with its message,
 before any rank runs; the matrix itself is valid."""
 import pytest
 

@@ -130,7 +130,7 @@ def test_check_lists_orphans_gaps_and_unreadable_goldens_and_fails_on_them(tmp_p
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "skipper.py").write_text("def skip(cfg):\n    return 'not here' if cfg.mesh == (('tp', 2),) else None\n")
     (tmp_path / "conftest.py").write_text("from harness.registry import register_implementation\n"
-                                          "register_implementation('tp', 'mine', 'parallel.tp:run', skip='skipper:skip')\n")
+                                          "register_implementation('tp', 'mine', 'harness.parallel.tp:run', skip='skipper:skip')\n")
     assert run_project(tmp_path).returncode == 0  # writes the goldens of the 3 cells that run
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
     done = golden_cli(tmp_path, "check", env=env)

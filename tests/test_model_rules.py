@@ -45,7 +45,7 @@ def test_an_implementation_declares_the_meshes_it_supports():
 
 
 def test_a_component_implementation_may_declare_its_own_rules():
-    register_implementation("tp", "picky", "parallel.tp:run", validate="tests.test_model_rules:only_tp2")
+    register_implementation("tp", "picky", "harness.parallel.tp:run", validate="tests.test_model_rules:only_tp2")
     cfg = Config("tp", "picky", {"tp": 4}, "fp32", dict(b=4, s=8, h=16, f=32, v=40), {"op": "mlp"})
     with pytest.raises(ConfigError, match="picky runs tp=2 only"):
         validate(cfg)
@@ -91,7 +91,7 @@ def test_a_plain_activation_is_placed_by_its_logical_shape():
 
 
 def test_tied_parameters_are_reported_under_their_first_name():
-    from models.titan import Transformer
+    from harness.examples.titan import Transformer
 
     names = aliases(Transformer(tied=True))
     assert names["output.weight"] == "tok_embeddings.weight" and names["norm.weight"] == "norm.weight"

@@ -13,8 +13,8 @@ from harness.config import Config, ConfigError
 from harness.layout import MeshLayout, Piece, Shard, assemble
 from harness.matrix import mesh
 from harness.registry import validate
-from parallel import pipeline_schedule as ps
-from parallel.pipeline_schedule import B, F, RB, RF, SF, Action, ScheduleError, build, simulate, table
+from harness.parallel import pipeline_schedule as ps
+from harness.parallel.pipeline_schedule import B, F, RB, RF, SF, Action, ScheduleError, build, simulate, table
 
 from .conftest import ROOT
 
@@ -149,7 +149,7 @@ def test_table_shows_every_rank_and_the_bubble():
 
 
 def test_table_prints_from_the_command_line():
-    out = subprocess.run([sys.executable, "-m", "parallel.pipeline_schedule", "1f1b", "--pp", "4", "--microbatches", "8"],
+    out = subprocess.run([sys.executable, "-m", "harness.parallel.pipeline_schedule", "1f1b", "--pp", "4", "--microbatches", "8"],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert len([line for line in out.splitlines() if line.startswith("rank ")]) == 4
     assert "bubble 27%" in out  # (pp-1)/(m+pp-1) = 3/11
@@ -223,7 +223,7 @@ def expected_peers(layout: MeshLayout, rank: int) -> dict[int, int]:
 def test_peers_come_from_the_mesh_layout(text, rank_pool):
     dims = mesh(text)
     layout = MeshLayout.of(dims)
-    seen = rank_pool.run("parallel.pipeline:describe_peers", None, dims)
+    seen = rank_pool.run("harness.parallel.pipeline:describe_peers", None, dims)
     for rank, peers in seen.items():
         assert peers == expected_peers(layout, rank), (text, rank)
 
@@ -234,7 +234,7 @@ def test_the_hand_written_map_holds_for_one_mesh_order_only(rank_pool):
     comm_map = {0: 2, 1: 3, 4: 6, 5: 7}
 
     def sends(text):  # pp coordinate 0 -> 1, as our executor addresses them
-        seen = rank_pool.run("parallel.pipeline:describe_peers", None, mesh(text))
+        seen = rank_pool.run("harness.parallel.pipeline:describe_peers", None, mesh(text))
         return {rank: peers[1] for rank, peers in seen.items() if peers[0] == rank}
 
     assert sends("dp=2,pp=2,tp=2") == comm_map

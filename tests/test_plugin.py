@@ -70,8 +70,8 @@ def test_a_divergence_prints_the_table_the_line_that_reproduces_it_and_counts_in
     run(project, "--update-golden").assert_outcomes(passed=4)
     # a user-registered implementation with a planted bug, added without editing the project
     project.makepyfile(buggy='''
-import parallel.tp as tp
-from parallel.collectives import reduce_from_group
+import harness.parallel.tp as tp
+from harness.parallel.collectives import reduce_from_group
 
 def run(ctx, cfg):
     tp.row_parallel = lambda x, w, b, group: tp.F.linear(x, w) + b   # the all-reduce forgotten
@@ -111,7 +111,7 @@ def skip_reason(cfg):
 ''')
     project.makeconftest('''
 from harness.registry import register_implementation
-register_implementation("tp", "mine", "parallel.tp:run", skip="skipper:skip_reason")
+register_implementation("tp", "mine", "harness.parallel.tp:run", skip="skipper:skip_reason")
 ''')
     project.makepyfile(test_cells=CASES.replace('impls=["ours"]', 'impls=["mine"]'))
     result = run(project)
@@ -161,7 +161,7 @@ def test_the_rerun_command_uses_this_interpreter_and_the_rootdir(tmp_path, monke
 def test_a_hung_cell_fails_with_every_rank_stack_and_the_next_cell_passes(project):
     project.makepyfile(hang='''
 import time
-import parallel.tp as tp
+import harness.parallel.tp as tp
 
 def run(ctx, cfg):
     if ctx.rank == 1:
@@ -178,7 +178,7 @@ register_implementation("tp", "hang", "hang:run")
     result.assert_outcomes(failed=1, passed=1, deselected=6)  # the hung cell runs first
     result.stdout.fnmatch_lines([
         "*case tp-hang-tp2-fp32-* passed its deadline of 3.0 s: ranks ?0, 1? still running",
-        "*rank 0: hung: in all_reduce* at parallel/collectives.py:* in _all_reduce",
+        "*rank 0: hung: in all_reduce* at harness/parallel/collectives.py:* in _all_reduce",
         "*rank 1: hung: at hang.py:* in run",
         # the same line a mismatch has, after every rank's stack
         f"reproduce: {shlex.quote(sys.executable)} -m pytest 'test_cells.py::test_tp?tp-hang-tp2-fp32-op_mlp-*?'",

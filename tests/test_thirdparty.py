@@ -7,7 +7,7 @@ import pytest
 
 from harness.config import Config
 from harness.registry import Implementation, get, modules, register_implementation, unresolved
-from parallel import thirdparty
+from harness.parallel import thirdparty
 from reference.tp import SIZES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,10 +18,10 @@ def tp_cell(impl: str, mesh=(("tp", 3),), dtype="fp32", **switches) -> Config:
 
 
 def test_an_implementation_declares_its_known_divergences_by_path():
-    impl = Implementation("x", "parallel.tp:run", xfail="parallel.thirdparty:megatron_xfail")
+    impl = Implementation("x", "harness.parallel.tp:run", xfail="harness.parallel.thirdparty:megatron_xfail")
     assert "in place" in impl.xfail_reason(tp_cell("megatron", op="xent"))
     assert impl.xfail_reason(tp_cell("megatron", dtype="bf16", op="xent")) is None
-    assert Implementation("x", "parallel.tp:run").xfail_reason(tp_cell("x")) is None
+    assert Implementation("x", "harness.parallel.tp:run").xfail_reason(tp_cell("x")) is None
 
 
 def test_the_thirdparty_implementations_are_registered_with_paths_that_resolve():
@@ -30,13 +30,13 @@ def test_the_thirdparty_implementations_are_registered_with_paths_that_resolve()
     for name in ("hf", "megatron"):
         impl = tp.implementations[name]
         assert impl.xfail and impl.skip
-        assert "parallel.thirdparty" in modules([tp_cell(name)])  # preloaded like skip paths
+        assert "harness.parallel.thirdparty" in modules([tp_cell(name)])  # preloaded like skip paths
 
 
 def test_an_unresolvable_xfail_path_is_named(monkeypatch):
     monkeypatch.setattr(get("tp"), "implementations", dict(get("tp").implementations))
     monkeypatch.setattr("harness.registry._REGISTERED", [])
-    register_implementation("tp", "mine", "parallel.tp:run", xfail="nowhere.at_all:reason")
+    register_implementation("tp", "mine", "harness.parallel.tp:run", xfail="nowhere.at_all:reason")
     (problem,) = unresolved()
     assert "implementation tp/mine: xfail path 'nowhere.at_all:reason' does not resolve" in problem
 
@@ -48,9 +48,9 @@ def test_skip_functions_import_and_answer_without_the_libraries():
 import sys
 sys.modules["transformers"] = None   # import transformers now raises ImportError; find_spec says None
 sys.modules["megatron"] = None
-import parallel.tp_hf, parallel.tp_megatron
+import harness.parallel.tp_hf, harness.parallel.tp_megatron
 from harness.config import Config
-from parallel.thirdparty import hf_skip, megatron_skip
+from harness.parallel.thirdparty import hf_skip, megatron_skip
 from reference.tp import SIZES
 cfg = Config("tp", "hf", (("tp", 2),), "fp32", SIZES, {"op": "mlp", "style": "colrow"})
 print(hf_skip(cfg))
@@ -98,7 +98,7 @@ def test_declared_divergences_run_as_strict_xfail_and_an_upstream_fix_says_remov
     monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     pytester.makepyfile(test_cells=CASES)
     pytester.makepyfile(impls='''
-import parallel.tp as tp
+import harness.parallel.tp as tp
 
 def buggy(ctx, cfg):
     right, tp.row_parallel = tp.row_parallel, lambda x, w, b, group: tp.F.linear(x, w) + b  # all-reduce forgotten
@@ -113,7 +113,7 @@ def declared(cfg):
     pytester.makeconftest('''
 from harness.registry import register_implementation
 register_implementation("tp", "buggy", "impls:buggy", xfail="impls:declared")
-register_implementation("tp", "fixed", "parallel.tp:run", xfail="impls:declared")   # "fixed upstream"
+register_implementation("tp", "fixed", "harness.parallel.tp:run", xfail="impls:declared")   # "fixed upstream"
 ''')
     result = pytester.runpytest_subprocess("--pool-size", "2", "-p", "no:cacheprovider", "-rxX")
     result.assert_outcomes(xfailed=1, failed=1)
@@ -135,16 +135,16 @@ def moe_cell(mesh="ep=2", emesh="dense", dtype="fp32", impl="hf", **switches) ->
 def test_moe_hf_is_registered_dropless_with_its_skips_and_divergences():
     impl = get("moe").implementations["hf"]
     assert impl.skip and impl.xfail and impl.omits == ("dropped",)
-    assert "parallel.thirdparty" in modules([moe_cell()])
+    assert "harness.parallel.thirdparty" in modules([moe_cell()])
 
 
 def test_moe_hf_imports_and_skips_without_transformers():
     code = """
 import sys
 sys.modules["transformers"] = None
-import parallel.moe_hf
+import harness.parallel.moe_hf
 from harness.config import Config
-from parallel.thirdparty import hf_moe_skip
+from harness.parallel.thirdparty import hf_moe_skip
 from reference.moe import SIZES
 print(hf_moe_skip(Config("moe", "hf", (("ep", 2),), "fp32", dict(SIZES, e=8, k=2),
       dict(emesh="dense", cap="none", score="softmax", norm="off", route="rand", epimpl="alltoall"))))
@@ -174,7 +174,7 @@ def test_moe_hf_ep_tp_rule_quotes_transformers_own_message():
     configuration = pytest.importorskip("transformers.distributed.configuration_utils")
     with pytest.raises(ValueError) as refused:
         configuration.DistributedConfig(tp_size=4, fsdp_size=2, ep_size=2)
-    # ep=2 inside a tp line of 4: parallel/moe.py runs it, transformers refuses it
+    # ep=2 inside a tp line of 4: harness/parallel/moe.py runs it, transformers refuses it
     assert str(refused.value) in thirdparty.hf_moe_skip(moe_cell(mesh="dp=2,tp=4", emesh="ep2"))
 
 
@@ -188,7 +188,7 @@ def test_moe_hf_runs_the_layouts_transformers_has(switches):
 
 
 def test_moe_meshes_add_transformers_one_rank_tp_dim_for_hf_only():
-    from parallel.moe import meshes
+    from harness.parallel.moe import meshes
 
     for mesh, emesh in (("ep=2", "dense"), ("dp=4", "ep2"), ("dp=2,tp=2", "ep4")):
         ours = moe_cell(mesh, emesh, impl="ours")

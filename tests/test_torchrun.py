@@ -157,7 +157,7 @@ FAULTY = '''
 import os
 import time
 
-import parallel.tp as tp
+import harness.parallel.tp as tp
 
 
 def hang(ctx, cfg):

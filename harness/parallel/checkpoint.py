@@ -8,7 +8,7 @@ AdamW steps. Here one cell is an ordered pair of layouts (switches ``save`` and 
     hsdp<r>x<s>      FSDP2 over a ``rep=r, shard=s`` mesh: replicate x shard
     fsdptp<d>x<t>    DTensor ``parallelize_module`` over ``tp=t`` (w1 column-, w2 row-parallel),
                      then ``fully_shard`` over ``dp=d``
-    ours<n>          our FSDP (parallel/fsdp.py) over ``dp=n``
+    ours<n>          our FSDP (harness/parallel/fsdp.py) over ``dp=n``
     ourshsdp<r>x<s>  our HSDP over ``rep=r, shard=s``
 
 The cell's mesh is ``w=<the larger world>``; the two layout meshes are declared through
@@ -60,7 +60,7 @@ from .fsdp import FSDP
 # module parameter -> the reference's name
 NAMES = {"w1.weight": "w1", "w1.bias": "b1", "w2.weight": "w2", "w2.bias": "b2"}
 FORMS = ("fsdp<n>", "hsdp<r>x<s>", "fsdptp<d>x<t>", "ours<n>", "ourshsdp<r>x<s>")
-PATTERNS = {  # kind -> (pattern, mesh dim names); the HSDP meshes are the ones parallel/fsdp.py reads
+PATTERNS = {  # kind -> (pattern, mesh dim names); the HSDP meshes are the ones harness/parallel/fsdp.py reads
     "fsdp": (r"fsdp(\d+)", ("dp",)),
     "hsdp": (r"hsdp(\d+)x(\d+)", ("rep", "shard")),
     "fsdptp": (r"fsdptp(\d+)x(\d+)", ("dp", "tp")),
@@ -109,7 +109,7 @@ def layouts(cfg: Config) -> tuple[Layout, Layout]:
 
 
 def state_format(cfg: Config) -> str:
-    """``torch``: FSDP2's ``get_state_dict`` keys; ``flat``: parallel/fsdp.py's keys, which both sides
+    """``torch``: FSDP2's ``get_state_dict`` keys; ``flat``: harness/parallel/fsdp.py's keys, which both sides
     can give, for a cell with our FSDP on one side."""
     return "flat" if any(layout.ours for layout in layouts(cfg)) else "torch"
 
@@ -214,7 +214,7 @@ def full_tensors(tensors: dict[str, torch.Tensor], group, placements: list[list[
 
 
 def flat_key(name: str) -> str:
-    """parallel/fsdp.py's state key of a result name: ``param/w1`` -> ``model.w1``,
+    """harness/parallel/fsdp.py's state key of a result name: ``param/w1`` -> ``model.w1``,
     ``opt/exp_avg/w1`` -> ``optim.w1.exp_avg``."""
     parts = name.split("/")
     return f"model.{parts[1]}" if parts[0] == "param" else f"optim.{parts[2]}.{parts[1]}"
@@ -325,7 +325,7 @@ class FSDP2Side(Side):
 
 
 class OursSide(Side):
-    """parallel/fsdp.py's FSDP (or HSDP) on the layout's mesh; its own ``state_dict``/``load_state_dict``."""
+    """harness/parallel/fsdp.py's FSDP (or HSDP) on the layout's mesh; its own ``state_dict``/``load_state_dict``."""
 
     def __init__(self, ctx: RankContext, layout: Layout, fmt: str, params: dict[str, torch.Tensor]):
         super().__init__(ctx, layout, fmt)

@@ -2,7 +2,7 @@
 
 ``Qwen3MoeForCausalLM`` from a ``Qwen3MoeConfig`` (2 layers, both MoE: 4 experts, top-2, hidden 16;
 nothing downloaded), trained on next-token cross-entropy, parallelized by transformers' own
-``maybe_distribute_model`` (``models.llama_hf.distribute``) with ``DistributedConfig(ep_size=...,
+``maybe_distribute_model`` (``harness.examples.llama_hf.distribute``) with ``DistributedConfig(ep_size=...,
 fsdp_size=..., ep_implementation="all_to_all")``: the model's ``base_model_ep_plan`` (experts sharded
 over ``ep`` by ``grouped_gemm``, tokens exchanged by ``ep_dispatch_experts`` with all-to-all), then
 its FSDP2 plan, the experts on the ``efsdp`` mesh (the copies of the same experts, which sum their
@@ -11,7 +11,7 @@ ep borrows its ranks from dp_shard ("dp2ep"), and ``efsdp`` = N/M.
 
 The model has no load-balancing loss (``output_router_logits=False``, as ``moe``'s ``aux_off``):
 transformers computes it per rank, on the rank's own batch, which is not the global loss one
-process computes (``parallel/moe_hf.py`` shows the difference). The router is initialised with
+process computes (``harness/parallel/moe_hf.py`` shows the difference). The router is initialised with
 std 1/sqrt(hidden) rather than transformers' 0.02, so that top-2 choices are decided by margins far
 above fp32 rounding: a near tie routes a token differently in fp32 and in the fp64 reference,
 which no parallel code can be blamed for.
@@ -22,13 +22,13 @@ import torch
 
 from harness.model import ModelCase, model_cells
 
-from models.llama_hf import batch, distribute, forward, loss
+from harness.examples.llama_hf import batch, distribute, forward, loss
 
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, EXPERTS, TOP_K = 64, 16, 16, 2, 4, 2, 4, 2
 
 
 def config():
-    from models.hf import Qwen3MoeConfig
+    from harness.examples.hf import Qwen3MoeConfig
 
     return Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * FFN,
                           moe_intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
@@ -39,7 +39,7 @@ def config():
 
 
 def build():
-    from models.hf import Qwen3MoeForCausalLM
+    from harness.examples.hf import Qwen3MoeForCausalLM
 
     model = Qwen3MoeForCausalLM(config())
     with torch.no_grad():

@@ -23,7 +23,7 @@ uneven shards too. :meth:`FSDP.state_dict` returns the model and AdamW state in 
 ``torch.distributed.checkpoint`` to save or load in place; :meth:`FSDP.load_state_dict` copies such
 a state back into the shards. Keys: ``model.<p>``, ``optim.<p>.exp_avg``, ``optim.<p>.exp_avg_sq``
 (DTensors) and ``optim.<p>.step`` (a plain scalar tensor), for p in w1, b1, w2, b2.
-``parallel/fsdp_torch.py:state_dict`` gives the same keys for FSDP2, so a checkpoint crosses over.
+``harness/parallel/fsdp_torch.py:state_dict`` gives the same keys for FSDP2, so a checkpoint crosses over.
 On a mesh smaller than the pool, pass ``dcp.save/load`` a ``process_group`` spanning the mesh's
 ranks (the default group is the whole pool, whose idle ranks would never join).
 

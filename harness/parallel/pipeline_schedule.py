@@ -14,7 +14,7 @@ holds six kinds of action on (stage, microbatch):
 
 Communication is placed by :func:`with_comms` from the compute order alone: a receive right before
 the compute that needs it, a send right after the compute that produced it. The executor
-(``parallel/pipeline.py``) runs the list as written: sends are non-blocking (``isend``, waited
+(``harness/parallel/pipeline.py``) runs the list as written: sends are non-blocking (``isend``, waited
 for at the end), receives block. :func:`simulate` runs the lists under exactly those semantics,
 with per-pair FIFO channels (what NCCL and gloo give without tags), and rejects a list where
 
@@ -29,8 +29,8 @@ Each message names the rank, the action, the stage and the microbatch. The simul
 the schedule (forward 1 unit, backward ``bwd_cost`` units, communication free) and :func:`table`
 draws it as a time x rank grid, so the bubble is visible::
 
-    python -m parallel.pipeline_schedule 1f1b --pp 4 --microbatches 8
-    python -m parallel.pipeline_schedule interleaved --pp 4 --microbatches 8 --virtual 2
+    python -m harness.parallel.pipeline_schedule 1f1b --pp 4 --microbatches 8
+    python -m harness.parallel.pipeline_schedule interleaved --pp 4 --microbatches 8 --virtual 2
 """
 from __future__ import annotations
 
@@ -394,7 +394,7 @@ def describe(name: str, pp: int, microbatches: int, virtual: int = 1, bwd_cost: 
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m parallel.pipeline_schedule", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m harness.parallel.pipeline_schedule", description=__doc__.split("\n")[0])
     parser.add_argument("schedule", choices=sorted(BUILDERS))
     parser.add_argument("--pp", type=int, required=True)
     parser.add_argument("--microbatches", "-m", type=int, required=True)

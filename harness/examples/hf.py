@@ -1,4 +1,4 @@
-"""transformers' model classes for ``models/llama_hf.py`` and ``models/qwen3moe_hf.py``, imported here.
+"""transformers' model classes for ``harness/examples/llama_hf.py`` and ``harness/examples/qwen3moe_hf.py``, imported here.
 
 This module is those models' ``skip`` path, so the pool's zygote imports it (and transformers, ~3 s)
 once before it forks the ranks, and only in runs that select their cells; the model modules
@@ -6,7 +6,7 @@ themselves import it lazily, so registering them (every ``harness.registry`` use
 """
 from __future__ import annotations
 
-from parallel.thirdparty import _missing
+from harness.parallel.thirdparty import _missing
 
 try:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM

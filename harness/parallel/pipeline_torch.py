@@ -1,6 +1,6 @@
 """Pipeline parallelism through PyTorch's ``torch.distributed.pipelining``, run by the same cases.
 
-Each of this rank's stages becomes an ``nn.Module`` (the same layers as ``parallel/pipeline.py``,
+Each of this rank's stages becomes an ``nn.Module`` (the same layers as ``harness/parallel/pipeline.py``,
 tensor-parallel over ``tp`` when the mesh has it) wrapped in a ``PipelineStage`` on the pp process
 group; ``ScheduleGPipe``, ``Schedule1F1B`` or ``ScheduleInterleaved1F1B`` (stages placed the same
 way, stage ``s`` on pp coordinate ``s % pp``) runs them. Torch splits the batch into microbatches
@@ -8,7 +8,7 @@ and finds the peers itself.
 
 Loss scaling: torch's schedules divide the accumulated gradients by the number of microbatches
 (``scale_grads=True``, the default), so the loss function returns a microbatch's *mean* (times
-``GRAD_SCALE`` / dp), not the mean divided by ``m`` as ``parallel/pipeline.py`` does. Tied
+``GRAD_SCALE`` / dp), not the mean divided by ``m`` as ``harness/parallel/pipeline.py`` does. Tied
 embeddings, dp reduction and the AdamW step are ours, after the schedule, as in our implementation.
 
 That scaling is per stage: a parameter two stages of one rank share is divided by m twice. The one

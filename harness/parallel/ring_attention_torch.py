@@ -1,6 +1,6 @@
 """Context parallelism through PyTorch's own ``context_parallel`` (experimental DTensor attention).
 
-The same layer as ``parallel/ring_attention.py``, with torch sharding the sequence (``contig``, or
+The same layer as ``harness/parallel/ring_attention.py``, with torch sharding the sequence (``contig``, or
 its head-tail load balancer, which is our ``zigzag``) and dispatching SDPA to its ring attention.
 SDPA does not return the log-sum-exp, so this implementation omits ``lse`` (see OMITS).
 

@@ -1,6 +1,6 @@
 """Tensor parallelism through Megatron-Core's layers (``megatron.core.tensor_parallel``).
 
-The same ops as ``parallel/tp.py``, built from Megatron-Core 0.16.1's ColumnParallelLinear,
+The same ops as ``harness/parallel/tp.py``, built from Megatron-Core 0.16.1's ColumnParallelLinear,
 RowParallelLinear, VocabParallelEmbedding and vocab_parallel_cross_entropy, with the reference's
 parameters copied into each rank's partition (Megatron splits evenly, so its partition is our
 ``torch.chunk`` piece whenever it accepts the size at all):
@@ -15,7 +15,7 @@ parameters copied into each rank's partition (Megatron splits evenly, so its par
     gateup     ColumnParallelLinear(h, 2f) holding [gate chunk; up chunk] per rank (Megatron's
                gated-linear-unit layout), chunk(2) of the local output, silu * up, RowParallelLinear
 
-Skipped without CUDA (``parallel/thirdparty.py``): ``sp``, and ``colgather``/``rowsplit`` at tp > 1,
+Skipped without CUDA (``harness/parallel/thirdparty.py``): ``sp``, and ``colgather``/``rowsplit`` at tp > 1,
 whose gathers Megatron allocates on ``torch.cuda.current_device()``; at tp=3 Megatron refuses the
 sizes itself (even division).
 

@@ -1,7 +1,7 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) as the second fsdp implementation, run by the same cases.
 
 The reference MLP as an ``nn.Module``, each linear layer its own ``fully_shard`` unit and the root a
-third (which owns no parameters of its own), on the same meshes as ``parallel/fsdp.py``:
+third (which owns no parameters of its own), on the same meshes as ``harness/parallel/fsdp.py``:
 
 * ``dp=N``: ``fully_shard(mesh=<1-D dp mesh>)``, parameters ``Shard(0)`` over dp;
 * ``rep=R,shard=S``: the 2-D mesh makes FSDP2 HSDP (replicate over dim 0, shard over dim 1);
@@ -13,7 +13,7 @@ accumulation uses ``set_requires_gradient_sync(False)`` for every microbatch but
 ``torch.nn.utils.clip_grad_norm_`` on the DTensor gradients. Results are each rank's local shards
 (so the parent also checks that FSDP2 cuts dim 0 as torch.chunk does), or full tensors with tp.
 
-:func:`state_dict` gives the same keys as ``parallel.fsdp.FSDP.state_dict`` (``model.w1``,
+:func:`state_dict` gives the same keys as ``harness.parallel.fsdp.FSDP.state_dict`` (``model.w1``,
 ``optim.w1.exp_avg``, ...), holding FSDP2's own DTensors, so a checkpoint saved by one
 implementation loads into the other.
 """
@@ -82,7 +82,7 @@ def build(ctx: RankContext, cfg: Config, mesh: DeviceMesh | None = None) -> tupl
 
 
 def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Model and AdamW state under ``parallel.fsdp``'s keys, as FSDP2's DTensors (in place for
+    """Model and AdamW state under ``harness.parallel.fsdp``'s keys, as FSDP2's DTensors (in place for
     ``dcp.load``); an optimizer that has not stepped yet gets zero moments and step 0 first."""
     state: dict[str, torch.Tensor] = {}
     for module_name, p in model.named_parameters():

@@ -1,6 +1,6 @@
 """Tensor parallelism through PyTorch's own API: DTensor ``parallelize_module`` and ``loss_parallel``.
 
-The same ops as ``parallel/tp.py``, expressed as nn.Modules and a parallelize plan, so the cases
+The same ops as ``harness/parallel/tp.py``, expressed as nn.Modules and a parallelize plan, so the cases
 check PyTorch's implementation as well as ours and the two cross-check each other. Pieces carry the
 placements DTensor itself reports.
 """

@@ -1,6 +1,6 @@
 """Tensor parallelism through Hugging Face transformers' TP styles (``transformers.distributed``).
 
-The same ops as ``parallel/tp.py``, as small modules parallelized by transformers' own
+The same ops as ``harness/parallel/tp.py``, as small modules parallelized by transformers' own
 ``apply_tensor_parallelism(model, tp_mesh, plan)`` with an expanded plan (every module and parameter
 name mapped to a style name from ``ALL_PARALLEL_STYLES``), the way a ``PreTrainedModel``'s
 ``base_model_tp_plan`` is applied. Switch ``style`` picks which registered style(s) carry the op, so
@@ -30,7 +30,7 @@ every style transformers ships is run by the cases:
 For ``sp`` the sequence dim is moved by transformers' ColwiseParallel(input_layouts=Shard(1)) and
 RowwiseParallel(output_layouts=Shard(1)): the classes its registered styles are instances of (no
 registered name carries a sequence-sharded input), installed the way apply_tensor_parallelism does.
-Skips and declared divergences live in ``parallel/thirdparty.py`` (importable without transformers).
+Skips and declared divergences live in ``harness/parallel/thirdparty.py`` (importable without transformers).
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from .tp_dtensor import _linear
 try:  # imported here so the pool's zygote pays for it once; absent, every cell skips in the parent
     from transformers.distributed.parallel_utils import _AllReduceBackward
     from transformers.distributed.tensor_parallel import ColwiseParallel, RowwiseParallel, apply_tensor_parallelism
-except ImportError:  # pragma: no cover  parallel.thirdparty.hf_skip says how to install it
+except ImportError:  # pragma: no cover  harness.parallel.thirdparty.hf_skip says how to install it
     apply_tensor_parallelism = None
 
 class _Lin(nn.Module):

@@ -32,7 +32,7 @@ BATCH, SEQ = 4, 8  # the global batch: 4 sequences (dp up to 4), 8 tokens
 
 def config():
     """The tiny ``LlamaConfig`` (eager attention: the same arithmetic in fp32 and in the fp64 reference)."""
-    from models.hf import LlamaConfig
+    from harness.examples.hf import LlamaConfig
 
     return LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
                        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=2 * SEQ,
@@ -40,7 +40,7 @@ def config():
 
 
 def build():
-    from models.hf import LlamaForCausalLM
+    from harness.examples.hf import LlamaForCausalLM
 
     return LlamaForCausalLM(config())
 
@@ -82,7 +82,7 @@ class MeshManager:
 def distribute(model, meshes, **sizes):
     """``maybe_distribute_model`` with a ``DistributedConfig`` of the harness mesh's degrees: the
     model's own TP/EP/FSDP plans, applied by transformers."""
-    from models.hf import DistributedConfig
+    from harness.examples.hf import DistributedConfig
 
     spec = meshes.spec
     if spec.cp > 1 or spec.pp > 1:

@@ -5,7 +5,7 @@
     split (own chunk) <-> all-gather       split_to_group / gather_from_group
     all-gather        <-> reduce-scatter   all_gather_dim / reduce_scatter_dim
     all-to-all        <-> reverse all-to-all  all_to_all_rows (the raw exchange; MoE's dispatch and
-                                              combine in parallel/moe.py are its autograd pair)
+                                              combine in harness/parallel/moe.py are its autograd pair)
 
 Chunks follow ``torch.chunk`` (harness.layout.chunk_bounds): uneven sizes are padded to the largest
 chunk for the wire, because gloo's all-gather and reduce-scatter need equal sizes.

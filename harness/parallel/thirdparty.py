@@ -111,7 +111,7 @@ def megatron_xfail(cfg: Config) -> str | None:
     return None
 
 
-# ---- hf of the moe component (parallel/moe_hf.py) --------------------------------------------------
+# ---- hf of the moe component (harness/parallel/moe_hf.py) --------------------------------------------------
 # switch epimpl -> transformers' EPImplementation name (those that train on CPU)
 HF_EP_IMPLEMENTATIONS = {"alltoall": "all_to_all", "allreduce": "all_reduce"}
 # switch experts (optional, absent = eager) -> the experts_implementation the experts' forward dispatches to
@@ -130,9 +130,9 @@ def hf_moe_dense_view(cfg: Config) -> tuple[tuple[str, int], ...]:
 
 
 def moe_meshes(cfg: Config) -> list[tuple[tuple[str, int], ...]]:
-    """The moe component's extra meshes (``parallel.moe.meshes``), plus transformers' one-rank tp
+    """The moe component's extra meshes (``harness.parallel.moe.meshes``), plus transformers' one-rank tp
     dim for hf cells without a tp dim."""
-    from parallel.moe import meshes
+    from harness.parallel.moe import meshes
 
     extra = meshes(cfg)
     if cfg.impl == "hf" and "tp" not in dict(cfg.mesh):
@@ -145,7 +145,7 @@ def hf_moe_skip(cfg: Config) -> str | None:
     express (each with the upstream fact)."""
     if reason := _missing("transformers"):
         return reason
-    from parallel.moe import layout
+    from harness.parallel.moe import layout
 
     lay, epimpl = layout(cfg), dict(cfg.switches).get("epimpl")
     if epimpl not in HF_EP_IMPLEMENTATIONS:

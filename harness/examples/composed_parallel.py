@@ -1,4 +1,4 @@
-"""The parallel side of ``models/composed.py``: its modules rebuilt from ``parallel/``, holding this
+"""The parallel side of ``harness/examples/composed.py``: its modules rebuilt from ``harness/parallel/``, holding this
 rank's shards under the reference's parameter names (see that module's docstring for the layout)."""
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from torch.distributed.tensor import Shard as DShard
 from harness.events import paused
 from harness.layout import Shard, chunk_bounds, take
 from harness.model import Pipelined
-from parallel import moe as par_moe
-from parallel import pipeline_schedule as ps
-from parallel.collectives import copy_to_group, group_rank, group_size, reduce_from_group
-from parallel.fsdp import DPGroups, FSDPParam
-from parallel.pipeline import execute
-from parallel.ring_attention import positions, ring_attention
-from parallel.tp import column_parallel, row_parallel, vocab_parallel_embedding
+from harness.parallel import moe as par_moe
+from harness.parallel import pipeline_schedule as ps
+from harness.parallel.collectives import copy_to_group, group_rank, group_size, reduce_from_group
+from harness.parallel.fsdp import DPGroups, FSDPParam
+from harness.parallel.pipeline import execute
+from harness.parallel.ring_attention import positions, ring_attention
+from harness.parallel.tp import column_parallel, row_parallel, vocab_parallel_embedding
 from reference.pipeline import GRAD_SCALE
 from reference.ring_attention import merge_heads, split_heads
 
@@ -60,7 +60,7 @@ class Weight(nn.Module):
 class Unit:
     """One FSDP unit (a block, the embedding, norm + head): its parameters gathered with one
     all-gather per shard group and their gradients reduced with one reduce-scatter, FSDP1's flat
-    parameter made of ``parallel/fsdp.py``'s pieces: per shard group, rank r's chunks of every
+    parameter made of ``harness/parallel/fsdp.py``'s pieces: per shard group, rank r's chunks of every
     parameter of the unit are one row of a ``[ranks, C]`` tensor, an ``FSDPParam`` (its
     ``gather``: all-gather; its ``reduce``: reduce-scatter, all-reduce over dp_replicate, divided by
     the loss ranks). Each parameter is a DTensor (dense mesh, or sparse for experts) whose local
@@ -219,7 +219,7 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """Column- then row-parallel (parallel/tp.py), or the 3D seed's hand-written backward."""
+    """Column- then row-parallel (harness/parallel/tp.py), or the 3D seed's hand-written backward."""
 
     def __init__(self, ref_module, groups, unit, manual: bool):
         super().__init__()
@@ -275,7 +275,7 @@ class ManualMLP(torch.autograd.Function):
 
 
 class ParallelMoE(nn.Module):
-    """parallel/moe.py's layer: experts over ep (borrowed from dp_shard·cp), their FFN over etp = tp."""
+    """harness/parallel/moe.py's layer: experts over ep (borrowed from dp_shard·cp), their FFN over etp = tp."""
 
     def __init__(self, ref_module, groups, unit):
         super().__init__()
@@ -347,7 +347,7 @@ def swap(model: ref.Composed, groups: Groups, manual: bool) -> ref.Composed:
 # ---- the pipeline -------------------------------------------------------------------------------------------
 class Stage:
     """What harness.model.Pipelined reads of a stage (``submod``, ``is_first``, ``is_last``) and
-    what parallel/pipeline.py's ``execute`` calls (``forward``, ``last``)."""
+    what harness/parallel/pipeline.py's ``execute`` calls (``forward``, ``last``)."""
 
     def __init__(self, submod, index: int, stages: int):
         self.submod, self.index = submod, index
@@ -365,7 +365,7 @@ class Stage:
 
 
 class Schedule:
-    """``schedule.step`` as harness.model's runner calls it, on parallel/pipeline.py's 1F1B lists."""
+    """``schedule.step`` as harness.model's runner calls it, on harness/parallel/pipeline.py's 1F1B lists."""
 
     def __init__(self, stage: Stage, groups: Groups):
         self.stage, self.groups = stage, groups

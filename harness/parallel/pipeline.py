@@ -5,7 +5,7 @@ stage ``s`` lives on pp coordinate ``s % pp`` (so with ``vs`` virtual stages, ra
 layers of stages ``r, r + pp, ...``: ``Shard(0, packs=vs)`` of the stacked layer dim). The first
 stage also holds the embedding, the last the head and the loss.
 
-1. ``validate`` builds every rank's action list (``parallel/pipeline_schedule.py``) and simulates
+1. ``validate`` builds every rank's action list (``harness/parallel/pipeline_schedule.py``) and simulates
    it without communication before any rank runs: a list that deadlocks, sends to the wrong rank,
    or runs a backward before its forward is a ConfigError naming rank, stage and microbatch.
 2. Each rank runs its own list: ``F`` runs the stage on a microbatch, keeping input and output for
@@ -18,7 +18,7 @@ stage also holds the embedding, the last the head and the loss.
 4. After the schedule: tied embedding/head gradients summed between the first and the last stage
    (one exchange between those two ranks), then gradients summed over dp, then AdamW.
 
-With ``tp`` in the mesh, each stage runs the tensor-parallel layers of ``parallel/tp.py``: blocks
+With ``tp`` in the mesh, each stage runs the tensor-parallel layers of ``harness/parallel/tp.py``: blocks
 as column- then row-parallel MLPs, the embedding and the loss vocab-parallel; activations between
 stages are replicated over tp, and each tp rank talks to the rank of its own tp coordinate.
 """

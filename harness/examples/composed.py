@@ -8,18 +8,18 @@ causal softmax attention (``reference.ring_attention``) -> residual, RMSNorm -> 
 next-token cross-entropy. Parameters are plain ``nn.Parameter`` attributes named as the components
 name them (``layers.0.attention.wq``, ``layers.1.moe.w_gate``, ...).
 
-``parallelize(model, meshes)`` swaps each module for its ``parallel/`` counterpart holding this rank's
+``parallelize(model, meshes)`` swaps each module for its ``harness/parallel/`` counterpart holding this rank's
 shards, under the same parameter names, and applies every dim the mesh has:
 
 * tp: the embedding and head vocab-parallel, wq/wk/wv column-parallel and wo row-parallel (heads over
-  tp), the MLP column- then row-parallel (``parallel/tp.py``); the experts' FFN over etp = tp
-  (``parallel/moe.py``'s ``run_experts``);
-* cp: ring attention over the sequence chunks (``parallel/ring_attention.py``, contiguous layout: the
+  tp), the MLP column- then row-parallel (``harness/parallel/tp.py``); the experts' FFN over etp = tp
+  (``harness/parallel/moe.py``'s ``run_experts``);
+* cp: ring attention over the sequence chunks (``harness/parallel/ring_attention.py``, contiguous layout: the
   harness cuts the sequence in cp chunks);
 * ep: the experts over the sparse mesh's ep, borrowed from dp_shard·cp (dp2ep), tokens dispatched and
-  combined with ``parallel/moe.py``'s all-to-all pair;
+  combined with ``harness/parallel/moe.py``'s all-to-all pair;
 * dp_shard·cp (FSDP) and dp_replicate (HSDP): FSDP units as torchtitan wraps them (the embedding,
-  each block, norm + head), each one ``parallel/fsdp.py`` ``FSDPParam`` per shard group holding every
+  each block, norm + head), each one ``harness/parallel/fsdp.py`` ``FSDPParam`` per shard group holding every
   parameter's dim-0 chunk side by side (FSDP1's flat parameter): all-gathered once per call of the
   unit, its gradient reduce-scattered once, all-reduced over dp_replicate and divided by the loss
   ranks (rep·dp·cp: each rank's loss is a mean over its own tokens). The shard group is the
@@ -27,8 +27,8 @@ shards, under the same parameter names, and applies every dim the mesh has:
   ranks), the tp or ep chunk being cut from the gathered tensor. Each parameter is a DTensor over the
   dense mesh (dp_replicate, dp_shard, cp, tp) sharing the shard's storage: the harness reads its
   placements and ``torch.distributed.checkpoint`` saves and reshards it;
-* pp: two stages (embedding + block 0, block 1 + norm + head) run by ``parallel/pipeline.py``'s
-  ``execute`` on the 1F1B action lists of ``parallel/pipeline_schedule.py`` (``MICROBATCHES``
+* pp: two stages (embedding + block 0, block 1 + norm + head) run by ``harness/parallel/pipeline.py``'s
+  ``execute`` on the 1F1B action lists of ``harness/parallel/pipeline_schedule.py`` (``MICROBATCHES``
   microbatches), wrapped as :class:`harness.model.Pipelined`.
 
 Implementations: ``composed`` (autograd everywhere) and ``manual`` (the 3D seed's dense MLP with a
@@ -58,7 +58,7 @@ MOE_LAYERS = (0,)
 
 
 class MoEConfig:
-    """What ``reference.moe.moe`` and ``parallel.moe.moe`` read from a config: dropless softmax top-k,
+    """What ``reference.moe.moe`` and ``harness.parallel.moe.moe`` read from a config: dropless softmax top-k,
     gates renormalised. No aux loss: a pipeline runs microbatches, and the Switch aux loss of a
     microbatch is not that of the batch (the model's loss would depend on the microbatch count)."""
 
@@ -205,7 +205,7 @@ class VocabLogits:
 def cross_entropy(output, target: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy (vocab-parallel on a :class:`VocabLogits`)."""
     if isinstance(output, VocabLogits):
-        from parallel.tp import vocab_parallel_cross_entropy
+        from harness.parallel.tp import vocab_parallel_cross_entropy
 
         return vocab_parallel_cross_entropy(output.logits, target, output.tp, VOCAB).mean()
     return F.cross_entropy(output.flatten(0, 1).float(), target.flatten(0, 1))
@@ -215,7 +215,7 @@ def loss(output, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return cross_entropy(output, batch["target"])
 
 
-# the implementations are in models/composed_parallel.py (torch.distributed and parallel/ imports stay
+# the implementations are in harness/examples/composed_parallel.py (torch.distributed and harness/parallel/ imports stay
 # out of the reference's import path)
 def parallelize(model, meshes):
     from .composed_parallel import parallelize as run
