@@ -1,8 +1,8 @@
 """Mesh layouts with real ranks: every named group of every rank against the model.
 
-The matrix: every way to factor 8 ranks into the five dense degrees (pp, dp_replicate, dp_shard,
+The matrix: every way to factor 8 ranks into the five dense degrees (pp, rep, dp,
 cp, tp: 35 layouts), each given a sparse layout that alternates between the two ways ep borrows
-ranks (etp = tp: ep from dp_shard·cp; etp = 1: ep from dp_shard·cp·tp) and between the largest ep
+ranks (etp = tp: ep from dp·cp; etp = 1: ep from dp·cp·tp) and between the largest ep
 the lender allows and the smallest, plus a few layouts of 2 and 4 ranks (built as side-by-side copies
 over the pool). Each layout is built on real gloo ranks by ``harness.meshes.device_mesh.build``; each rank's
 coordinates and groups are held to ``MeshSpec``, an all-reduce over each group must sum the model's
@@ -20,7 +20,8 @@ import pytest
 
 from harness.layout import MeshLayout
 from harness.meshes.check import check_borrowing, check_comm_map, check_partition, check_rank
-from harness.meshes.device_mesh import NAMES, MeshSpec
+from harness.meshes.device_mesh import MeshSpec
+from harness.names import GROUPS
 from harness.meshes.thirdparty import (DEFAULT_ORDER, MEGATRON_INSTALL, MEGATRON_TO_OURS, TORCHTITAN_INSTALL,
                                        TORCHTITAN_TO_OURS, compare, megatron_as_spec, megatron_model)
 
@@ -36,9 +37,9 @@ def layouts() -> list[str]:
         etp = tp if i % 2 == 0 else 1
         lender = ds * cp * (1 if etp == tp else tp)
         ep = lender if i % 4 < 2 else min(_divisors(lender)[1:] or [1])
-        out.append(MeshSpec.of(8, pp=pp, dp_replicate=dr, dp_shard=ds, cp=cp, tp=tp, ep=ep, etp=etp).id)
-    for text in ("world=2,dp_shard=2,ep=2", "world=2,tp=2,ep=2", "world=4,dp_shard=2,tp=2,ep=2,etp=2",
-                 "world=4,dp_shard=2,tp=2,ep=4", "world=4,pp=2,cp=2,ep=2", "world=4,dp_replicate=2,dp_shard=2,ep=2"):
+        out.append(MeshSpec.of(8, pp=pp, rep=dr, dp=ds, cp=cp, tp=tp, ep=ep, etp=etp).id)
+    for text in ("world=2,dp=2,ep=2", "world=2,tp=2,ep=2", "world=4,dp=2,tp=2,ep=2,etp=2",
+                 "world=4,dp=2,tp=2,ep=4", "world=4,pp=2,cp=2,ep=2", "world=4,rep=2,dp=2,ep=2"):
         out.append(MeshSpec.parse(text).id)
     return out
 
@@ -67,7 +68,7 @@ def test_every_named_group_of_every_rank_matches_the_model(text, rank_pool):
         offset = rank - rank % spec.world  # this rank's copy of the layout starts there
         local = {n: [r - offset for r in g] for n, g in got["groups"].items()}
         errors += check_rank(spec, rank - offset, {**got, "groups": local})
-        for name in NAMES:
+        for name in GROUPS:
             want = sum(spec.group_of(rank - offset, name)) + offset * len(local[name])
             if got["sums"][name] != want:
                 errors.append(f"rank {rank}: all-reduce over its {name} group gave {got['sums'][name]}, "
@@ -184,7 +185,7 @@ def test_megatron_groups_match_the_model_of_its_order(item, megatron_seen):
 
 @pytest.mark.parametrize("item", MEGATRON, ids=_label)
 def test_megatron_against_our_mesh_spec(item, megatron_seen):
-    """Megatron's groups against our named groups (Megatron's dp is our dp_shard): with the default order
+    """Megatron's groups against our named groups (Megatron's dp is ours): with the default order
     they must agree; with another order they differ exactly where the two models say they do."""
     by_rank = megatron_seen(MEGATRON.index(item))
     spec = megatron_as_spec(8, **_sizes(item))
@@ -229,7 +230,7 @@ def torchtitan_seen():
 @pytest.mark.parametrize("item", TORCHTITAN, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items() if v != 1))
 def test_torchtitan_groups_match_our_model(item, torchtitan_seen):
     i = TORCHTITAN.index(item)
-    spec = MeshSpec.of(8, **{k: v for k, v in item.items() if k != "spmd_backend"}, etp=1)
+    spec = MeshSpec.of(8, **{TORCHTITAN_TO_OURS.get(k, k): v for k, v in item.items() if k != "spmd_backend"}, etp=1)
     seen = {rank: got[i]["groups"] for rank, got in torchtitan_seen.items()}
     names = sorted(seen[0])
     print(f"\ntorchtitan {item['spmd_backend']} {spec.id}: groups {names}")

@@ -22,7 +22,7 @@ def norm_without_sequence_parallel(model, meshes):
 def hsdp_wrong_dims(model, meshes):
     """HSDP whose FSDP2 mesh is built from the wrong dims: the shard dim alone, so the replicate
     dim's gradients are never averaged (each replica trains on its half of the batch)."""
-    return titan.parallelize_stage(model, meshes, loss_parallel=True, hsdp_dims=("dp_shard",))
+    return titan.parallelize_stage(model, meshes, loss_parallel=True, hsdp_dims=("dp",))
 
 
 def loss_over_world_twice(model, meshes):

@@ -9,14 +9,14 @@ from harness.examples import qwen3moe_hf
 
 
 def ep_without_expert_sum(model, meshes):
-    """transformers' EP plan (all_to_all) by hand, FSDP2 over dp_shard for everything but the experts,
+    """transformers' EP plan (all_to_all) by hand, FSDP2 over dp for everything but the experts,
     which are left out of it (``ignored_params``) and so never summed over their copies (efsdp): each
     copy of an expert steps on the gradient of the tokens its own ep group routed to it."""
     from harness.examples.hf import DistributedConfig
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
     spec = meshes.spec
-    _, ep_plan, _ = model._resolve_parallel_plans(DistributedConfig(ep_size=spec.ep, fsdp_size=spec.dp_shard))
+    _, ep_plan, _ = model._resolve_parallel_plans(DistributedConfig(ep_size=spec.ep, fsdp_size=spec.dp))
     apply_expert_parallelism(model, meshes.sparse["ep"], meshes.dense["tp"], ep_plan, ep_implementation="all_to_all")
     experts = {p for name, p in model.named_parameters() if ".mlp.experts." in name}
     for layer in model.model.layers:

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from harness.config import ConfigError
 from harness.layout import MeshLayout
-from harness.meshes.device_mesh import DENSE, NAMES, MeshSpec
+from harness.meshes.device_mesh import MeshSpec
+from harness.names import DENSE, GROUPS
 
 
 @st.composite
@@ -18,18 +19,18 @@ def specs(draw):
         degrees[name] = draw(st.integers(1, max(1, min(4, room))))
         room //= degrees[name]
     etp = draw(st.sampled_from([1, degrees["tp"]]))
-    lender = degrees["dp_shard"] * degrees["cp"] * (1 if etp == degrees["tp"] else degrees["tp"])
+    lender = degrees["dp"] * degrees["cp"] * (1 if etp == degrees["tp"] else degrees["tp"])
     ep = draw(st.sampled_from([d for d in range(1, lender + 1) if lender % d == 0]))
     return MeshSpec.of(math.prod(degrees.values()), **degrees, ep=ep, etp=etp)
 
 
 @given(specs())
 def test_groups_of_one_name_partition_the_world_into_groups_of_its_degree(spec):
-    for name in NAMES:
+    for name in GROUPS:
         groups = spec.groups(name)
         assert sorted(r for g in groups for r in g) == list(range(spec.world))
-        size = {"batch": spec.dp_replicate * spec.dp_shard, "loss": spec.dp_replicate * spec.dp_shard * spec.cp,
-                "fsdp": spec.dp_shard * spec.cp, "efsdp": spec.efsdp}.get(name) or getattr(spec, name)
+        size = {"batch": spec.rep * spec.dp, "loss": spec.rep * spec.dp * spec.cp,
+                "fsdp": spec.dp * spec.cp, "efsdp": spec.efsdp}.get(name) or getattr(spec, name)
         assert {len(g) for g in groups} == {size}
 
 
@@ -38,12 +39,12 @@ def test_groups_of_one_name_partition_the_world_into_groups_of_its_degree(spec):
 def test_a_flattened_group_is_the_product_of_its_dims_and_ep_stays_in_its_lender(spec):
     for rank in range(spec.world):
         dense = spec.dense().coords(rank)
-        for name, dims in (("batch", ("dp_replicate", "dp_shard")), ("fsdp", ("dp_shard", "cp"))):
+        for name, dims in (("batch", ("rep", "dp")), ("fsdp", ("dp", "cp"))):
             keep = [i for i, n in enumerate(DENSE) if n not in dims]
             same = [r for r in range(spec.world) if all(spec.dense().coords(r)[i] == dense[i] for i in keep)]
             assert spec.group_of(rank, name) == same
         lender, _ = spec.lender()
-        block = set(spec.group_of(rank, "fsdp")) if lender == ("dp_shard", "cp") else \
+        block = set(spec.group_of(rank, "fsdp")) if lender == ("dp", "cp") else \
             {r for f in spec.group_of(rank, "fsdp") for r in spec.group_of(f, "tp")}
         assert set(spec.group_of(rank, "ep")) <= block
 
@@ -62,33 +63,33 @@ def test_an_order_string_is_fastest_first():
 
 
 def test_spec_round_trips_through_its_id():
-    spec = MeshSpec.of(16, pp=2, dp_shard=2, cp=2, tp=2, ep=4)
+    spec = MeshSpec.of(16, pp=2, dp=2, cp=2, tp=2, ep=4)
     assert MeshSpec.parse(spec.id) == spec
-    assert MeshSpec.from_mesh((("pp", 2), ("dp_shard", 2), ("cp", 2), ("tp", 2)), ep=4) == spec
+    assert MeshSpec.from_mesh((("pp", 2), ("dp", 2), ("cp", 2), ("tp", 2)), ep=4) == spec
 
 
 @pytest.mark.parametrize("build, message", [
-    (lambda: MeshSpec.of(16, dp_shard=2, tp=4),
-     "degrees pp·dp_replicate·dp_shard·cp·tp = 1·1·2·1·4 = 8 do not multiply to the world of 16 ranks: "
-     "change a degree (dp_shard usually) so that the product is 16"),
-    (lambda: MeshSpec.of(8, dp_shard=4, tp=2, ep=8, etp=2),
-     "ep=8 does not divide dp_shard·cp = 4, the dims it borrows from when etp=2: choose an ep that divides 4, "
+    (lambda: MeshSpec.of(16, dp=2, tp=4),
+     "degrees pp·rep·dp·cp·tp = 1·1·2·1·4 = 8 do not multiply to the world of 16 ranks: "
+     "change a degree (dp usually) so that the product is 16"),
+    (lambda: MeshSpec.of(8, dp=4, tp=2, ep=8, etp=2),
+     "ep=8 does not divide dp·cp = 4, the dims it borrows from when etp=2: choose an ep that divides 4, "
      "or etp=1 to borrow tp as well"),
-    (lambda: MeshSpec.of(12, dp_shard=2, tp=6, ep=8),
-     "ep=8 does not divide dp_shard·cp·tp = 12, the dims it borrows from when etp=1: choose an ep that divides 12"),
-    (lambda: MeshSpec.of(8, dp=8),
-     "unknown mesh dim 'dp': the degrees are pp, dp_replicate, dp_shard, cp, tp, ep, etp "
-     "(efsdp is derived: dp_shard·cp·tp / (ep·etp)); rename it to one of them"),
-    (lambda: MeshSpec.from_mesh((("dp", 2), ("tp", 4))),
-     "unknown mesh dim 'dp' in (('dp', 2), ('tp', 4)): a layout's mesh names pp, dp_replicate, dp_shard, cp, tp; "
-     "rename it to one of them"),
-    (lambda: MeshSpec.of(8, dp_shard=2, tp=4, etp=2),
+    (lambda: MeshSpec.of(12, dp=2, tp=6, ep=8),
+     "ep=8 does not divide dp·cp·tp = 12, the dims it borrows from when etp=1: choose an ep that divides 12"),
+    (lambda: MeshSpec.of(8, dp_shard=8),
+     "unknown mesh dim 'dp_shard': the dims are pp, rep, dp, cp, tp, ep, etp; torchtitan's 'dp_shard' is 'dp' "
+     "here (harness.names); efsdp is derived: dp·cp·tp / (ep·etp)"),
+    (lambda: MeshSpec.from_mesh((("dp", 2), ("sp", 4))),
+     "unknown mesh dim 'sp': the dims are pp, rep, dp, cp, tp (harness.names), in the layout (('dp', 2), ('sp', 4))"),
+    (lambda: MeshSpec.of(8, dp=2, tp=4, etp=2),
      "etp=2 must be 1 or tp=4: experts either reuse the dense tp ranks (etp=tp) or are not tensor-parallel (etp=1)"),
-    (lambda: MeshSpec.of(8, dp_shard=8, cp=0), "cp=0 must be at least 1: a degree of 1 turns the dim off"),
-    (lambda: MeshSpec.parse("dp_shard=8"), "mesh spec 'dp_shard=8' has no world=N: start it with the world size, "
+    (lambda: MeshSpec.of(8, dp=8, cp=0), "cp=0 must be at least 1: a degree of 1 turns the dim off"),
+    (lambda: MeshSpec.parse("dp=8"), "mesh spec 'dp=8' has no world=N: start it with the world size, "
                                            "e.g. world=8,tp=2"),
-    (lambda: MeshSpec.of(8, dp_shard=8).groups("dp"), "unknown group name 'dp': the named groups are pp, dp_replicate, "
-                                                      "dp_shard, cp, tp, batch, loss, fsdp, efsdp, ep, etp"),
+    (lambda: MeshSpec.of(8, dp=8).groups("dp_replicate"),
+     "unknown mesh dim 'dp_replicate': the dims are pp, rep, dp, cp, tp, batch, loss, fsdp, efsdp, ep, etp; "
+     "torchtitan's 'dp_replicate' is 'rep' here (harness.names)"),
 ])
 def test_bad_input_is_rejected_with_the_rule_and_the_fix(build, message):
     with pytest.raises(ConfigError) as err:

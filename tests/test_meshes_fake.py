@@ -2,7 +2,7 @@
 
 The layouts: for each world, five shapes a trainer runs (FSDP with experts over every rank; all five
 dims with ep borrowing tp; pp with tp reused by experts; HSDP-heavy with cp; deep pp with small
-groups), dp_shard taking what the other degrees leave and ep as large as the lender allows. The
+groups), dp taking what the other degrees leave and ep as large as the lender allows. The
 default process group is process-global, so the layouts run in two subprocesses (one per core), each
 re-initialising the fake world once per rank it plays (see ``harness.meshes.fake``).
 """
@@ -16,7 +16,7 @@ from harness.meshes.device_mesh import MeshSpec
 from .conftest import ROOT
 
 WORLDS = (64, 128, 256, 512, 1024, 2048, 4096)
-# (pp, dp_replicate, cp, tp, ep wanted, etp = tp?)
+# (pp, rep, cp, tp, ep wanted, etp = tp?)
 SHAPES = (
     (1, 1, 1, 1, 8, False),
     (2, 2, 2, 4, 8, False),
@@ -30,9 +30,9 @@ def layouts() -> list[str]:
     out = []
     for world in WORLDS:
         for pp, dr, cp, tp, ep, etp_is_tp in SHAPES:
-            dp_shard = world // (pp * dr * cp * tp)
-            lender = dp_shard * cp * (1 if etp_is_tp else tp)
-            spec = MeshSpec.of(world, pp=pp, dp_replicate=dr, dp_shard=dp_shard, cp=cp, tp=tp,
+            dp = world // (pp * dr * cp * tp)
+            lender = dp * cp * (1 if etp_is_tp else tp)
+            spec = MeshSpec.of(world, pp=pp, rep=dr, dp=dp, cp=cp, tp=tp,
                                ep=min(ep, lender), etp=tp if etp_is_tp else 1)
             out.append(spec.id)
     return out
@@ -84,10 +84,10 @@ def test_every_layout_matches_the_model_on_the_fake_backend():
 def test_swapped_groups_are_named():
     """Groups enumerated with two sparse dims swapped (ep for efsdp): the check names both."""
     from harness.meshes.check import check_all_groups
-    from harness.meshes.device_mesh import NAMES
+    from harness.names import GROUPS
 
-    spec = MeshSpec.parse("world=64,dp_shard=8,tp=8,ep=8,etp=8")
-    partitions = {n: spec.groups(n) for n in NAMES}
+    spec = MeshSpec.parse("world=64,dp=8,tp=8,ep=8,etp=8")
+    partitions = {n: spec.groups(n) for n in GROUPS}
     partitions["ep"], partitions["efsdp"] = partitions["efsdp"], partitions["ep"]
     errors = check_all_groups(spec, partitions)
     assert [e.split(":")[1].strip() for e in errors] == ["the efsdp groups differ from the model's",

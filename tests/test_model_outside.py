@@ -45,14 +45,14 @@ def test_an_outside_project_checks_its_own_model_as_readme_says(tmp_path):
 
 
 def test_the_same_project_with_a_bug_in_its_parallelize_fails_naming_the_module(tmp_path):
-    """The README model sharded by FSDP2 over the wrong mesh dim (dp_replicate, 1 rank here): no
+    """The README model sharded by FSDP2 over the wrong mesh dim (rep, 1 rank here): no
     gradient is averaged over the data-parallel ranks. Red, and the failure names the parameter's module."""
     project = tmp_path / "myproject"
     for name, text in project_files(model_blocks()).items():
         path = project / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text.replace('mesh=meshes.dense["dp_shard"]', 'mesh=meshes.dense["dp_replicate"]'))
-    assert 'meshes.dense["dp_replicate"]' in (project / "mymodel.py").read_text()
+        path.write_text(text.replace('mesh=meshes.dense["dp"]', 'mesh=meshes.dense["rep"]'))
+    assert 'meshes.dense["rep"]' in (project / "mymodel.py").read_text()
     (project / "pytest.ini").write_text("[pytest]\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run([sys.executable, "-m", "pytest", "tests_model", "-p", "no:cacheprovider", "-k",

@@ -36,7 +36,7 @@ def test_invalid_model_cells_name_the_rule(mesh, switches, message):
 
 def test_an_implementation_declares_the_meshes_it_supports():
     case = ModelCase(build=torch.nn.Linear, batch=None, loss=None, parallelize={"tponly": None},
-                     supports={"tponly": lambda spec: "a TP-only plan" if spec.dp_shard > 1 else None})
+                     supports={"tponly": lambda spec: "a TP-only plan" if spec.dp > 1 else None})
     from harness.model.rules import check_impl
 
     with pytest.raises(ConfigError, match="does not support this mesh: a TP-only plan"):
@@ -75,11 +75,11 @@ def test_bad_cases_and_registrations_say_what_to_fix():
 
 def test_dtensor_placements_map_to_the_cells_dims():
     degrees = {"dp": 2, "cp": 1, "tp": 2}
-    assert placements_of(("dp_shard", "tp"), (DShard(0), DShard(1)), degrees) == {"dp": Shard(0), "tp": Shard(1)}
-    assert placements_of(("fsdp",), (DShard(0),), degrees) == {"dp": Shard(0)}  # dp_shard·cp, cp of 1
+    assert placements_of(("dp", "tp"), (DShard(0), DShard(1)), degrees) == {"dp": Shard(0), "tp": Shard(1)}
+    assert placements_of(("fsdp",), (DShard(0),), degrees) == {"dp": Shard(0)}  # dp·cp, cp of 1
     assert placements_of(("fsdp",), (DShard(0),), {"dp": 2, "cp": 2}) is None  # two dims: not a Piece
     assert placements_of(("tp",), (Partial(),), degrees) is None
-    assert placements_of(("dp_replicate", "dp_shard"), (Replicate(), DShard(0)), degrees) == {"dp": Shard(0)}
+    assert placements_of(("rep", "dp"), (Replicate(), DShard(0)), degrees) == {"dp": Shard(0)}
     assert placements_of(("ep",), (DShard(0),), {"dp": 2, "ep": 2}) is None  # the expert mesh: gathered
 
 

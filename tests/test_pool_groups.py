@@ -9,8 +9,8 @@ from harness.pool.parent import Pool
 
 # the same rank sets of a 4-rank world under many names and orders: what a long matrix builds
 FIRST = [(("dp", 2), ("tp", 2)), (("tp", 4),)]
-LATER = [(("cp", 2), ("tp", 2)), (("pp", 2), ("dp", 2)), (("dp_shard", 2), ("cp", 2)), (("cp", 4),),
-         (("pp", 2), ("tp", 2)), (("dp_replicate", 2), ("dp_shard", 2))]
+LATER = [(("cp", 2), ("tp", 2)), (("pp", 2), ("dp", 2)), (("dp", 2), ("cp", 2)), (("cp", 4),),
+         (("pp", 2), ("tp", 2)), (("rep", 2), ("dp", 2))]
 
 
 def gloo_devices(ctx, payload):

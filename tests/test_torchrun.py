@@ -37,7 +37,7 @@ SELECTION = [
 # -k takes no "=" or ",": the layouts by their dims' names (world=2 and world=4 layouts run, the
 # world=8 ones skip in both runs alike, 8 not dividing 4)
 MESHES = ["test_every_named_group and pp and cp and ep and not dp and not tp",
-          "test_every_named_group and dp_shard and ep and not pp and not cp and not tp and not dp_rep"]
+          "test_every_named_group and dp and ep and not pp and not cp and not tp and not rep"]
 K = " or ".join(SELECTION + [f"({m})" for m in MESHES])
 
 

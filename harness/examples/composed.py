@@ -16,16 +16,16 @@ shards, under the same parameter names, and applies every dim the mesh has:
   (``harness/parallel/moe.py``'s ``run_experts``);
 * cp: ring attention over the sequence chunks (``harness/parallel/ring_attention.py``, contiguous layout: the
   harness cuts the sequence in cp chunks);
-* ep: the experts over the sparse mesh's ep, borrowed from dp_shard·cp (dp2ep), tokens dispatched and
+* ep: the experts over the sparse mesh's ep, borrowed from dp·cp (dp2ep), tokens dispatched and
   combined with ``harness/parallel/moe.py``'s all-to-all pair;
-* dp_shard·cp (FSDP) and dp_replicate (HSDP): FSDP units as torchtitan wraps them (the embedding,
+* dp·cp (FSDP) and rep (HSDP): FSDP units as torchtitan wraps them (the embedding,
   each block, norm + head), each one ``harness/parallel/fsdp.py`` ``FSDPParam`` per shard group holding every
   parameter's dim-0 chunk side by side (FSDP1's flat parameter): all-gathered once per call of the
-  unit, its gradient reduce-scattered once, all-reduced over dp_replicate and divided by the loss
+  unit, its gradient reduce-scattered once, all-reduced over rep and divided by the loss
   ranks (rep·dp·cp: each rank's loss is a mean over its own tokens). The shard group is the
   flattened fsdp group (times tp for a tensor tp cuts on dim 0; the experts' efsdp·ep is the same
   ranks), the tp or ep chunk being cut from the gathered tensor. Each parameter is a DTensor over the
-  dense mesh (dp_replicate, dp_shard, cp, tp) sharing the shard's storage: the harness reads its
+  dense mesh (rep, dp, cp, tp) sharing the shard's storage: the harness reads its
   placements and ``torch.distributed.checkpoint`` saves and reshards it;
 * pp: two stages (embedding + block 0, block 1 + norm + head) run by ``harness/parallel/pipeline.py``'s
   ``execute`` on the 1F1B action lists of ``harness/parallel/pipeline_schedule.py`` (``MICROBATCHES``

@@ -36,16 +36,16 @@ class Groups:
         s = meshes.spec
         self.spec = s
         self.tp, self.cp, self.pp = meshes.group("tp"), meshes.group("cp"), meshes.group("pp")
-        self.rep = meshes.group("dp_replicate")
-        self.fsdp = meshes.group("fsdp")  # dp_shard·cp
-        # dp_shard·cp·tp: the shard group of tensors tp cuts on dim 0 (a DTensor's nested Shard(0)s)
-        self.fsdp_tp = meshes.dense["dp_shard", "cp", "tp"]._flatten("composed_fsdp_tp").get_group() \
+        self.rep = meshes.group("rep")
+        self.fsdp = meshes.group("fsdp")  # dp·cp
+        # dp·cp·tp: the shard group of tensors tp cuts on dim 0 (a DTensor's nested Shard(0)s)
+        self.fsdp_tp = meshes.dense["dp", "cp", "tp"]._flatten("composed_fsdp_tp").get_group() \
             if s.tp > 1 else self.fsdp
         self.ep, self.etp = meshes.sparse["ep"].get_group(), meshes.sparse["etp"].get_group()
-        self.loss_ranks = s.dp_replicate * s.dp_shard * s.cp  # each rank's loss is a mean over its tokens
-        self.dense = meshes.dense["dp_replicate", "dp_shard", "cp", "tp"]
-        self.sparse = meshes.sparse["dp_replicate", "efsdp", "ep", "etp"]
-        # experts: (efsdp, ep) are the fsdp ranks (ep borrows dp_shard·cp when etp = tp), same order
+        self.loss_ranks = s.rep * s.dp * s.cp  # each rank's loss is a mean over its tokens
+        self.dense = meshes.dense["rep", "dp", "cp", "tp"]
+        self.sparse = meshes.sparse["rep", "efsdp", "ep", "etp"]
+        # experts: (efsdp, ep) are the fsdp ranks (ep borrows dp·cp when etp = tp), same order
         coord = dict(zip(self.sparse.mesh_dim_names, self.sparse.get_coordinate()))
         assert coord["efsdp"] * s.ep + coord["ep"] == group_rank(self.fsdp), "sparse (efsdp, ep) != dense fsdp order"
 
@@ -62,7 +62,7 @@ class Unit:
     all-gather per shard group and their gradients reduced with one reduce-scatter, FSDP1's flat
     parameter made of ``harness/parallel/fsdp.py``'s pieces: per shard group, rank r's chunks of every
     parameter of the unit are one row of a ``[ranks, C]`` tensor, an ``FSDPParam`` (its
-    ``gather``: all-gather; its ``reduce``: reduce-scatter, all-reduce over dp_replicate, divided by
+    ``gather``: all-gather; its ``reduce``: reduce-scatter, all-reduce over rep, divided by
     the loss ranks). Each parameter is a DTensor (dense mesh, or sparse for experts) whose local
     tensor is its segment of this rank's row (same storage: the optimizer and DCP write through).
 
@@ -92,7 +92,7 @@ class Unit:
         placements = [Replicate(), DShard(0), DShard(0), Replicate()]
         mesh = g.dense
         if expert_dim is not None:
-            # the DTensor sits on the dense mesh: (efsdp, ep) are the fsdp ranks (dp_shard, cp) in the same
+            # the DTensor sits on the dense mesh: (efsdp, ep) are the fsdp ranks (dp, cp) in the same
             # order (asserted in Groups), so this is the same layout, and the harness can place it
             # without gathering (a sparse-mesh DTensor would be read back with full_tensor())
             sharded, group, inner = (take(full, Shard(expert_dim), n_tp, c_tp) if n_tp > 1 else full), g.fsdp, \
@@ -158,7 +158,7 @@ class Unit:
 class GatherUnit(torch.autograd.Function):
     """Forward: the unit's flat row all-gathered (``FSDPParam.gather``), cut into each parameter's
     full tensor. Backward: the parameters' gradients laid out as the flat rows, reduced by
-    ``FSDPParam.reduce`` (reduce-scatter, dp_replicate all-reduce, / loss ranks), cut into this
+    ``FSDPParam.reduce`` (reduce-scatter, rep all-reduce, / loss ranks), cut into this
     rank's segments."""
 
     @staticmethod
@@ -275,7 +275,7 @@ class ManualMLP(torch.autograd.Function):
 
 
 class ParallelMoE(nn.Module):
-    """harness/parallel/moe.py's layer: experts over ep (borrowed from dp_shard·cp), their FFN over etp = tp."""
+    """harness/parallel/moe.py's layer: experts over ep (borrowed from dp·cp), their FFN over etp = tp."""
 
     def __init__(self, ref_module, groups, unit):
         super().__init__()

@@ -12,12 +12,12 @@ final norm and ``lm_head``) applied by ``apply_tensor_parallelism`` and
 
     impl   mesh          DistributedConfig
     tp     tp=N          tp_size=N              transformers' TP plan
-    fsdp   dp=N          fsdp_size=N            its FSDP2 plan over dp_shard
+    fsdp   dp=N          fsdp_size=N            its FSDP2 plan over dp
     fsdp   rep=R,dp=N    + dp_replicate_size=R  HSDP
     tpfsdp dp=N,tp=M     both                   TP then FSDP2, as maybe_distribute_model orders them
 
 :class:`MeshManager` is the one piece of glue: it hands transformers the harness's meshes under the
-names ``TransformersDeviceMesh.get_mesh`` answers to (``fsdp`` is the harness's ``dp_shard``).
+names ``TransformersDeviceMesh.get_mesh`` answers to (``fsdp`` is the harness's ``dp``).
 """
 from __future__ import annotations
 
@@ -64,10 +64,10 @@ def loss(logits, batch):
 # ---- transformers' own parallelization on the harness's meshes -------------------------------------
 class MeshManager:
     """The harness's meshes as transformers' ``TransformersDeviceMesh``: ``get_mesh(dims)`` answers
-    with the dense mesh's dims (``fsdp`` = the harness's ``dp_shard``) or, for ``ep``/``efsdp``, the
+    with the dense mesh's dims (``fsdp`` = the harness's ``dp``) or, for ``ep``/``efsdp``, the
     sparse (expert) mesh's."""
 
-    DENSE = {"pp": "pp", "dp_replicate": "dp_replicate", "fsdp": "dp_shard", "tp": "tp"}
+    DENSE = {"pp": "pp", "dp_replicate": "rep", "fsdp": "dp", "tp": "tp"}
 
     def __init__(self, meshes):
         self.meshes = meshes
@@ -86,7 +86,7 @@ def distribute(model, meshes, **sizes):
 
     spec = meshes.spec
     if spec.cp > 1 or spec.pp > 1:
-        raise ValueError("transformers parallelizes this model over tp, dp_shard, dp_replicate and ep only")
+        raise ValueError("transformers parallelizes this model over tp, dp, rep and ep only")
     dc = DistributedConfig(**sizes)
     return type(model).maybe_distribute_model(model, dc, MeshManager(meshes))
 
@@ -97,18 +97,18 @@ def tp(model, meshes):
 
 def fsdp(model, meshes):
     spec = meshes.spec
-    return distribute(model, meshes, fsdp_size=spec.dp_shard, dp_replicate_size=spec.dp_replicate)
+    return distribute(model, meshes, fsdp_size=spec.dp, dp_replicate_size=spec.rep)
 
 
 def tpfsdp(model, meshes):
     spec = meshes.spec
-    return distribute(model, meshes, tp_size=spec.tp, fsdp_size=spec.dp_shard, dp_replicate_size=spec.dp_replicate)
+    return distribute(model, meshes, tp_size=spec.tp, fsdp_size=spec.dp, dp_replicate_size=spec.rep)
 
 
 def _only(*dims):
     """``supports``: the mesh may use only ``dims`` (each implementation's DistributedConfig sizes)."""
     def check(spec):
-        used = [d for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if getattr(spec, d) > 1 and d not in dims]
+        used = [d for d in ("pp", "rep", "dp", "cp", "tp") if getattr(spec, d) > 1 and d not in dims]
         return f"it parallelizes over {', '.join(dims)} only, not {', '.join(used)}" if used else None
     return check
 
@@ -116,8 +116,8 @@ def _only(*dims):
 CASE = ModelCase(
     build=build, batch=batch, loss=loss, forward=forward,
     parallelize={"tp": tp, "fsdp": fsdp, "tpfsdp": tpfsdp},
-    supports={"tp": _only("tp"), "fsdp": _only("dp_shard", "dp_replicate"),
-              "tpfsdp": _only("tp", "dp_shard", "dp_replicate")},
+    supports={"tp": _only("tp"), "fsdp": _only("dp", "rep"),
+              "tpfsdp": _only("tp", "dp", "rep")},
 )
 
 

@@ -6,8 +6,8 @@ nothing downloaded), trained on next-token cross-entropy, parallelized by transf
 fsdp_size=..., ep_implementation="all_to_all")``: the model's ``base_model_ep_plan`` (experts sharded
 over ``ep`` by ``grouped_gemm``, tokens exchanged by ``ep_dispatch_experts`` with all-to-all), then
 its FSDP2 plan, the experts on the ``efsdp`` mesh (the copies of the same experts, which sum their
-gradients) and the rest on ``dp_shard``. The cell's mesh is ``dp=N`` with the switch ``ep_<M>``:
-ep borrows its ranks from dp_shard ("dp2ep"), and ``efsdp`` = N/M.
+gradients) and the rest on ``dp``. The cell's mesh is ``dp=N`` with the switch ``ep_<M>``:
+ep borrows its ranks from dp ("dp2ep"), and ``efsdp`` = N/M.
 
 The model has no load-balancing loss (``output_router_logits=False``, as ``moe``'s ``aux_off``):
 transformers computes it per rank, on the rank's own batch, which is not the global loss one
@@ -49,16 +49,16 @@ def build():
 
 
 def ep(model, meshes):
-    """transformers' EP plan (all_to_all) over ``ep``, FSDP2 over ``dp_shard`` (experts over ``efsdp``)."""
+    """transformers' EP plan (all_to_all) over ``ep``, FSDP2 over ``dp`` (experts over ``efsdp``)."""
     spec = meshes.spec
-    return distribute(model, meshes, ep_size=spec.ep, fsdp_size=spec.dp_shard, dp_replicate_size=spec.dp_replicate,
+    return distribute(model, meshes, ep_size=spec.ep, fsdp_size=spec.dp, dp_replicate_size=spec.rep,
                       ep_implementation="all_to_all")
 
 
 def _ep_fits(spec):
-    """The meshes transformers lays EP out on: dp_shard (and dp_replicate) only, no etp."""
+    """The meshes transformers lays EP out on: dp (and rep) only, no etp."""
     if spec.tp > 1 or spec.cp > 1 or spec.pp > 1:
-        return "the EP plan here runs on dp (and rep) meshes only, ep borrowed from dp_shard"
+        return "the EP plan here runs on dp (and rep) meshes only, ep borrowed from dp"
     if spec.etp > 1:
         return "transformers has no expert tensor parallelism with EP"
     return None

@@ -16,8 +16,8 @@ run deleted, and every parameter keeps its name.
    rowwise wo/w2 returning to the sequence shard, a rowwise embedding, and a colwise output head
    whose logits stay sharded for ``loss_parallel`` (replicated under pp: the schedule computes
    the loss);
-3. dp_shard > 1 (FSDP) or dp_replicate > 1 (HSDP): ``fully_shard`` each block, the embedding,
-   norm+output, then the root, on ``dense["dp_shard"]`` or ``dense["dp_replicate", "dp_shard"]``.
+3. dp > 1 (FSDP) or rep > 1 (HSDP): ``fully_shard`` each block, the embedding,
+   norm+output, then the root, on ``dense["dp"]`` or ``dense["rep", "dp"]``.
 """
 from __future__ import annotations
 
@@ -149,12 +149,12 @@ def apply_tp(model: Transformer, tp_mesh, loss_parallel: bool = True, plan=None)
         parallelize_module(block, tp_mesh, plan or block_plan())
 
 
-def fsdp_mesh(meshes, hsdp_dims: tuple[str, str] = ("dp_replicate", "dp_shard")):
-    """The mesh FSDP2 shards over: dp_shard, or (dp_replicate, dp_shard) for HSDP; None without dp."""
+def fsdp_mesh(meshes, hsdp_dims: tuple[str, str] = ("rep", "dp")):
+    """The mesh FSDP2 shards over: dp, or (rep, dp) for HSDP; None without dp."""
     spec = meshes.spec
-    if spec.dp_replicate > 1:
+    if spec.rep > 1:
         return meshes.dense[hsdp_dims]
-    return meshes.dense["dp_shard"] if spec.dp_shard > 1 else None
+    return meshes.dense["dp"] if spec.dp > 1 else None
 
 
 def apply_fsdp(model: Transformer, mesh) -> None:
@@ -168,7 +168,7 @@ def apply_fsdp(model: Transformer, mesh) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def parallelize_stage(model: Transformer, meshes, loss_parallel: bool, plan=None, hsdp_dims=("dp_replicate", "dp_shard")):
+def parallelize_stage(model: Transformer, meshes, loss_parallel: bool, plan=None, hsdp_dims=("rep", "dp")):
     if meshes.spec.tp > 1:
         apply_tp(model, meshes.dense["tp"], loss_parallel, plan)
     mesh = fsdp_mesh(meshes, hsdp_dims)

@@ -6,7 +6,8 @@ the group, so a failing test says where a rank map went wrong.
 """
 from __future__ import annotations
 
-from .device_mesh import FLATTENED, NAMES, MeshSpec
+from ..names import FLATTENED, GROUPS
+from .device_mesh import MeshSpec
 
 
 def check_rank(spec: MeshSpec, rank: int, seen: dict) -> list[str]:
@@ -50,8 +51,8 @@ def check_partition(world: int, by_rank: dict[int, dict[str, list[int]]], label:
 
 def check_borrowing(spec: MeshSpec, by_rank: dict[int, dict[str, list[int]]], ranks=None) -> list[str]:
     """The sparse groups against the dense groups they borrow from, on the groups as seen (not the
-    model): the sparse mesh's pp and dp_replicate are the dense ones; ep lies inside the dims it
-    borrows; etp is tp when etp = tp; the expert block efsdp·ep·etp is the dense dp_shard·cp·tp block;
+    model): the sparse mesh's pp and rep are the dense ones; ep lies inside the dims it
+    borrows; etp is tp when etp = tp; the expert block efsdp·ep·etp is the dense dp·cp·tp block;
     each flattened group is the product of the dims it merges. ``ranks``: the ranks to check (all)."""
     errors = []
     lender, _ = spec.lender()
@@ -60,7 +61,7 @@ def check_borrowing(spec: MeshSpec, by_rank: dict[int, dict[str, list[int]]], ra
         def union(name, ranks):
             return set().union(*(set(by_rank[r][name]) for r in ranks))
 
-        for dim in ("pp", "dp_replicate"):
+        for dim in ("pp", "rep"):
             if f"sparse.{dim}" in g and list(g[f"sparse.{dim}"]) != list(g[dim]):
                 errors.append(f"{spec.id}: rank {rank}'s sparse {dim} group {list(g[f'sparse.{dim}'])} "
                               f"is not its dense {dim} group {list(g[dim])}")
@@ -68,8 +69,8 @@ def check_borrowing(spec: MeshSpec, by_rank: dict[int, dict[str, list[int]]], ra
         sparse_block = union("etp", union("ep", g["efsdp"]))
         if dense_block != sparse_block:
             errors.append(f"{spec.id}: rank {rank}'s expert block efsdp·ep·etp {sorted(sparse_block)} is not "
-                          f"its dense block dp_shard·cp·tp {sorted(dense_block)}")
-        lent = set(g["fsdp"]) if lender == ("dp_shard", "cp") else dense_block
+                          f"its dense block dp·cp·tp {sorted(dense_block)}")
+        lent = set(g["fsdp"]) if lender == ("dp", "cp") else dense_block
         if not set(g["ep"]) <= lent:
             errors.append(f"{spec.id}: rank {rank}'s ep group {list(g['ep'])} is not inside its "
                           f"{'·'.join(lender)} group {sorted(lent)}, the dims ep borrows from")
@@ -88,7 +89,7 @@ def check_borrowing(spec: MeshSpec, by_rank: dict[int, dict[str, list[int]]], ra
 def check_all_groups(spec: MeshSpec, partitions: dict[str, list[list[int]]]) -> list[str]:
     """Every group of every name as the real meshes enumerate them against the model's."""
     errors = []
-    for name in NAMES:
+    for name in GROUPS:
         got, want = sorted(map(list, partitions[name])), sorted(spec.groups(name))
         if got != want:
             extra = [g for g in got if g not in want][:3]

@@ -9,12 +9,12 @@ real groups to (``cases/test_meshes.py`` with real ranks, ``tests/test_meshes_fa
 
 Dims, slowest-varying first (row-major over ranks, as ``DeviceMesh`` lays them out):
 
-* dense:  ``pp, dp_replicate, dp_shard, cp, tp``
-* sparse: ``pp, dp_replicate, efsdp, ep, etp``; the expert block ``efsdp·ep·etp`` is the dense
-  ``dp_shard·cp·tp`` block cut differently. ``etp`` is ``tp`` (experts reuse the dense tp ranks; ep
-  borrows from ``dp_shard·cp``) or 1 (ep borrows from ``dp_shard·cp·tp``); ``efsdp`` is what is left.
-* flattened (dense): ``batch = dp_replicate·dp_shard`` (ranks that read different data),
-  ``loss = batch·cp`` (ranks a token-mean loss is reduced over), ``fsdp = dp_shard·cp`` (ranks that
+* dense:  ``pp, rep, dp, cp, tp``
+* sparse: ``pp, rep, efsdp, ep, etp``; the expert block ``efsdp·ep·etp`` is the dense
+  ``dp·cp·tp`` block cut differently. ``etp`` is ``tp`` (experts reuse the dense tp ranks; ep
+  borrows from ``dp·cp``) or 1 (ep borrows from ``dp·cp·tp``); ``efsdp`` is what is left.
+* flattened (dense): ``batch = rep·dp`` (ranks that read different data),
+  ``loss = batch·cp`` (ranks a token-mean loss is reduced over), ``fsdp = dp·cp`` (ranks that
   shard parameters).
 """
 from __future__ import annotations
@@ -25,18 +25,7 @@ from dataclasses import dataclass, fields
 
 from ..config import ConfigError
 from ..layout import MeshLayout
-
-DENSE = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-SPARSE = ("pp", "dp_replicate", "efsdp", "ep", "etp")
-FLATTENED = {
-    "batch": ("dp_replicate", "dp_shard"),
-    "loss": ("dp_replicate", "dp_shard", "cp"),
-    "fsdp": ("dp_shard", "cp"),
-}
-# every named group, in the order they are reported; pp and dp_replicate are dims of both meshes
-NAMES = DENSE + tuple(FLATTENED) + ("efsdp", "ep", "etp")
-# the degrees a user sets; efsdp is derived
-DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp")
+from ..names import DEGREES, DENSE, FLATTENED, GROUPS, SPARSE, unknown_dim
 
 
 @dataclass(frozen=True)
@@ -49,8 +38,8 @@ class MeshSpec:
 
     world: int
     pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
+    rep: int = 1
+    dp: int = 1
     cp: int = 1
     tp: int = 1
     ep: int = 1
@@ -61,17 +50,14 @@ class MeshSpec:
         """The spec for ``world`` ranks and ``degrees`` (by name; absent ones are 1), validated."""
         unknown = sorted(set(degrees) - set(DEGREES))
         if unknown:
-            raise ConfigError(
-                f"unknown mesh dim {', '.join(map(repr, unknown))}: the degrees are {', '.join(DEGREES)} "
-                "(efsdp is derived: dp_shard·cp·tp / (ep·etp)); rename it to one of them"
-            )
+            raise ConfigError(f"{unknown_dim(unknown[0], DEGREES)}; efsdp is derived: dp·cp·tp / (ep·etp)")
         spec = cls(int(world), **{k: int(v) for k, v in degrees.items()})
         spec.validate()
         return spec
 
     @classmethod
     def parse(cls, text: str) -> "MeshSpec":
-        """``"world=8,dp_shard=2,tp=2,ep=2"``: the form test ids and notes use."""
+        """``"world=8,dp=2,tp=2,ep=2"``: the form test ids and notes use."""
         items = dict(part.split("=", 1) for part in text.split(",") if part)
         if "world" not in items:
             raise ConfigError(f"mesh spec {text!r} has no world=N: start it with the world size, e.g. world=8,tp=2")
@@ -80,15 +66,12 @@ class MeshSpec:
 
     @classmethod
     def from_mesh(cls, mesh, **sparse: int) -> "MeshSpec":
-        """The spec of a config's mesh (``(("dp_shard", 2), ("tp", 4))``: dims named as here, world their
+        """The spec of a config's mesh (``(("dp", 2), ("tp", 4))``: dims named as here, world their
         product) and the sparse degrees ``ep``/``etp`` given apart."""
         dims = dict(mesh)
         unknown = sorted(set(dims) - set(DENSE))
         if unknown:
-            raise ConfigError(
-                f"unknown mesh dim {', '.join(map(repr, unknown))} in {tuple(mesh)}: a layout's mesh names "
-                f"{', '.join(DENSE)}; rename it to one of them"
-            )
+            raise ConfigError(f"{unknown_dim(unknown[0], DENSE)}, in the layout {tuple(mesh)}")
         return cls.of(math.prod(dims.values()), **dims, **sparse)
 
     def validate(self) -> None:
@@ -96,12 +79,12 @@ class MeshSpec:
         for name in ("world", *DEGREES):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be at least 1: a degree of 1 turns the dim off")
-        dense = math.prod(getattr(self, n) for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+        dense = math.prod(getattr(self, n) for n in DENSE)
         if dense != self.world:
-            shown = "·".join(str(getattr(self, n)) for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+            shown = "·".join(str(getattr(self, n)) for n in DENSE)
             raise ConfigError(
-                f"degrees pp·dp_replicate·dp_shard·cp·tp = {shown} = {dense} do not multiply to the world "
-                f"of {self.world} ranks: change a degree (dp_shard usually) so that the product is {self.world}"
+                f"degrees pp·rep·dp·cp·tp = {shown} = {dense} do not multiply to the world "
+                f"of {self.world} ranks: change a degree (dp usually) so that the product is {self.world}"
             )
         if self.etp not in (1, self.tp):
             raise ConfigError(
@@ -118,16 +101,16 @@ class MeshSpec:
 
     def lender(self) -> tuple[tuple[str, ...], int]:
         """The dense dims ep borrows its ranks from, and their product."""
-        dims = ("dp_shard", "cp") if self.etp == self.tp else ("dp_shard", "cp", "tp")
+        dims = ("dp", "cp") if self.etp == self.tp else ("dp", "cp", "tp")
         return dims, math.prod(getattr(self, d) for d in dims)
 
     @property
     def efsdp(self) -> int:
-        return self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
+        return self.dp * self.cp * self.tp // (self.ep * self.etp)
 
     @property
     def id(self) -> str:
-        """``world=8,dp_shard=2,tp=2,ep=2``: the degrees that differ from 1."""
+        """``world=8,dp=2,tp=2,ep=2``: the degrees that differ from 1."""
         parts = [f"world={self.world}"] + [f"{n}={getattr(self, n)}" for n in DEGREES if getattr(self, n) != 1]
         return ",".join(parts)
 
@@ -139,7 +122,7 @@ class MeshSpec:
         return MeshLayout(DENSE, tuple(getattr(self, n) for n in DENSE))
 
     def sparse(self) -> MeshLayout:
-        return MeshLayout(SPARSE, (self.pp, self.dp_replicate, self.efsdp, self.ep, self.etp))
+        return MeshLayout(SPARSE, (self.pp, self.rep, self.efsdp, self.ep, self.etp))
 
     def groups(self, name: str) -> list[list[int]]:
         """Every group of the named group ``name``, as lists of global ranks."""
@@ -166,7 +149,7 @@ def _model_groups(spec: MeshSpec, name: str) -> tuple[tuple[tuple[int, ...], ...
     elif name in SPARSE:
         groups = spec.sparse().groups(name)
     else:
-        raise ConfigError(f"unknown group name {name!r}: the named groups are {', '.join(NAMES)}")
+        raise ConfigError(unknown_dim(name, GROUPS))
     index = [0] * spec.world
     for i, group in enumerate(groups):
         for rank in group:
@@ -186,14 +169,14 @@ class Meshes:
     flat: dict
 
     def mesh(self, name: str):
-        """The 1-D mesh of the named group ``name`` (pp and dp_replicate from the dense mesh)."""
+        """The 1-D mesh of the named group ``name`` (pp and rep from the dense mesh)."""
         if name in FLATTENED:
             return self.flat[name]
         if name in DENSE:
             return self.dense[name]
         if name in SPARSE:
             return self.sparse[name]
-        raise ConfigError(f"unknown group name {name!r}: the named groups are {', '.join(NAMES)}")
+        raise ConfigError(unknown_dim(name, GROUPS))
 
     def group(self, name: str):
         """This rank's process group for the named group ``name``."""
@@ -206,10 +189,10 @@ class Meshes:
 
         if self.dense.get_coordinate() is None:
             return None
-        groups = {name: dist.get_process_group_ranks(self.group(name)) for name in NAMES}
-        # the sparse mesh's own pp/dp_replicate groups, to check they are the dense ones
+        groups = {name: dist.get_process_group_ranks(self.group(name)) for name in GROUPS}
+        # the sparse mesh's own pp/rep groups, to check they are the dense ones
         groups.update({f"sparse.{n}": dist.get_process_group_ranks(self.sparse.get_group(n))
-                       for n in ("pp", "dp_replicate")})
+                       for n in ("pp", "rep")})
         return {"dense": tuple(self.dense.get_coordinate()), "sparse": tuple(self.sparse.get_coordinate()),
                 "groups": groups}
 
@@ -219,7 +202,7 @@ class Meshes:
         from torch.distributed._mesh_layout import _MeshLayout
 
         out = {}
-        for name in NAMES:
+        for name in GROUPS:
             mesh = self.mesh(name)
             # what DeviceMesh._get_all_submeshes and the group creation enumerate, without building a
             # DeviceMesh per group (which costs a second per 1024-rank layout)
@@ -249,7 +232,7 @@ def build(spec: MeshSpec, device_type: str = "cpu", copies: int = 1) -> Meshes:
     world = DeviceMesh(device_type, torch.arange(copies * spec.world), mesh_dim_names=("world",))
     dense = world._unflatten(0, size + tuple(getattr(spec, n) for n in DENSE), lead + DENSE)
     flat = {name: dense[dims]._flatten(name) for name, dims in FLATTENED.items()}
-    sparse = world._unflatten(0, size + (spec.pp, spec.dp_replicate, spec.efsdp, spec.ep, spec.etp), lead + SPARSE)
+    sparse = world._unflatten(0, size + (spec.pp, spec.rep, spec.efsdp, spec.ep, spec.etp), lead + SPARSE)
     if copies > 1:  # the meshes of this rank's copy
         dense, sparse = dense[DENSE], sparse[SPARSE]
     return Meshes(spec, world, dense, sparse, flat)
@@ -277,7 +260,7 @@ def describe_layouts(ctx, payload: list[str]) -> dict:
         seen = meshes.describe()
         if seen is not None:
             sums = {}
-            for name in NAMES:
+            for name in GROUPS:
                 x = torch.tensor([float(ctx.rank)], device=ctx.device)
                 dist.all_reduce(x, group=meshes.group(name))
                 sums[name] = float(x)

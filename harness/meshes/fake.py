@@ -45,7 +45,8 @@ def check_layout(text: str, real_ranks: int, every_rank_upto: int, sample: int, 
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from .check import check_all_groups, check_borrowing, check_rank
-    from .device_mesh import NAMES, MeshSpec, build
+    from ..names import GROUPS
+    from .device_mesh import MeshSpec, build
 
     spec = MeshSpec.parse(text)
     world = spec.world
@@ -81,7 +82,7 @@ def check_layout(text: str, real_ranks: int, every_rank_upto: int, sample: int, 
                 coords = {which: _coords_of(t, checked) for which, t in meshes.full_coords().items()}
                 for r in checked:
                     errors += check_rank(spec, r, {"dense": coords["dense"][r], "sparse": coords["sparse"][r],
-                                                   "groups": {n: by_rank[r][n] for n in NAMES}})
+                                                   "groups": {n: by_rank[r][n] for n in GROUPS}})
                 errors += check_borrowing(spec, by_rank, checked)
         finally:
             dist.destroy_process_group()

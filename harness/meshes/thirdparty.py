@@ -10,8 +10,8 @@ group is when the order is Megatron's default, so Megatron is also held to :clas
 torchtitan's ``ParallelDims`` (0.3.0) unflattens the world into pp, batch, cp, tp (data loading),
 pp, dp_replicate, dp_shard, cp, tp or pp, dp_replicate, fsdp, tp (dense, by its ``spmd_backend``) and
 pp, dp_replicate, efsdp, ep (sparse: no etp, so ep borrows from dp_shard·cp·tp, our etp = 1), and
-flattens batch·cp into loss: our dims in our order, so its groups are held to :class:`MeshSpec`
-directly.
+flattens batch·cp into loss: our dims in our order under its names (:data:`harness.names.ELSEWHERE`),
+so its groups are held to :class:`MeshSpec` directly.
 
 The tasks here create every group on every pool rank (Megatron's ``new_group`` calls, torchtitan's
 meshes): run them on a mesh covering the whole pool.
@@ -19,6 +19,7 @@ meshes): run them on a mesh covering the whole pool.
 from __future__ import annotations
 
 from ..layout import MeshLayout
+from ..names import ELSEWHERE
 from ..versions import pins
 from .device_mesh import MeshSpec
 
@@ -67,9 +68,9 @@ def megatron_model(world: int, order: str, **sizes) -> dict[str, list[list[int]]
 
 
 def megatron_as_spec(world: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int | None = None) -> MeshSpec:
-    """The :class:`MeshSpec` a Megatron run with these sizes means: its dp is our dp_shard."""
+    """The :class:`MeshSpec` a Megatron run with these sizes means: its dp is ours."""
     etp = tp if etp is None else etp
-    return MeshSpec.of(world, pp=pp, dp_shard=world // (tp * pp * cp), cp=cp, tp=tp, ep=ep, etp=etp)
+    return MeshSpec.of(world, pp=pp, dp=world // (tp * pp * cp), cp=cp, tp=tp, ep=ep, etp=etp)
 
 
 def compare(world: int, seen: dict[int, dict[str, list[int]]], want: dict[str, list[list[int]]]) -> dict[str, list[int]]:
@@ -117,7 +118,7 @@ def megatron_groups(ctx, payload: list[dict]) -> list[dict]:
 
 # torchtitan's one-dimensional meshes, by its names; "dp" (spmd_types backend) is our batch
 TORCHTITAN_NAMES = ("pp", "batch", "loss", "dp_replicate", "fsdp", "dp", "dp_shard", "cp", "tp", "ep", "efsdp")
-TORCHTITAN_TO_OURS = {"dp": "batch"}
+TORCHTITAN_TO_OURS = {**ELSEWHERE, "dp": "batch"}
 
 
 def torchtitan_groups(ctx, payload: list[dict]) -> list[dict]:

@@ -39,7 +39,7 @@ def start_model(case, cfg: Config) -> nn.Module:
 def local_batch(batch: dict[str, torch.Tensor], seq_dim: int | None, data: tuple[int, int],
                 cp: tuple[int, int]) -> dict[str, torch.Tensor]:
     """This rank's slice of the global batch: chunk ``data[1]`` of ``data[0]`` on dim 0 (the batch
-    ranks, dp_replicate·dp_shard row-major) and chunk ``cp[1]`` of ``cp[0]`` on ``seq_dim``."""
+    ranks, rep·dp row-major) and chunk ``cp[1]`` of ``cp[0]`` on ``seq_dim``."""
     out = {}
     for name, tensor in batch.items():
         tensor = take(tensor, Shard(0), *data)

@@ -73,7 +73,7 @@ class ModelCase:
       reference, so every call returns the same initial parameters (do not seed it yourself).
     * ``batch(step)``: the **global** batch of step ``step`` (0-based) as a dict of tensors,
       deterministic (seed a ``torch.Generator`` from ``step``). The harness splits every tensor on
-      dim 0 over the ``batch`` ranks (dp_replicate·dp_shard) and, when ``seq_dim`` is set, on that
+      dim 0 over the ``batch`` ranks (rep·dp) and, when ``seq_dim`` is set, on that
       dim over ``cp``; the global batch size must divide evenly.
     * ``loss(output, batch)``: the scalar loss of ``batch`` as one process computes it, a mean over
       its rows/tokens (each rank computes it on its own slice; the harness averages over the ranks

@@ -1,7 +1,7 @@
 """A rank's tensors as :class:`harness.layout.Piece` objects, placed on the cell's mesh.
 
 * a DTensor: its placements on its mesh, mapped to the cell's dims (a ``harness.meshes`` dim
-  ``dp_shard`` is the cell's ``dp``; a flattened one such as ``fsdp`` = dp_shard·cp is the one of
+  ``dp`` is the cell's ``dp``; a flattened one such as ``fsdp`` = dp·cp is the one of
   its dims with a degree above 1). The local shard itself goes back, so a wrong shard is reported
   with the ranks that hold it. Placements a Piece cannot describe (``Partial``, FSDP2's strided
   shards under TP, a flattened dim over two non-trivial dims, the expert mesh) fall back to
@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as DShard
 
 from ..layout import Piece, Shard
-from ..meshes.device_mesh import FLATTENED
+from ..names import FLATTENED
 from .rules import ORDER, SHORT
 
 
@@ -66,7 +66,7 @@ def declared(name: str, patterns: dict[str, dict], degrees: dict[str, int]) -> d
             found = placements_of(list(by_dim), list(by_dim.values()), degrees)
             if found is None:
                 raise ValueError(f"ModelCase.placements[{pattern!r}] = {by_dim}: give Shard(d) or Replicate() "
-                                 "per harness.meshes dim (tp, dp_shard, ...), e.g. {'tp': Shard(0)}")
+                                 "per harness.meshes dim (tp, dp, ...), e.g. {'tp': Shard(0)}")
             return found
     return {}
 

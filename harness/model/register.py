@@ -70,7 +70,7 @@ def model_cells(name: str, *, impls: Iterable[str] | None = None, meshes: Iterab
                 switches: dict[str, Iterable[str]] | None = None, seed: int = 0) -> list[Config]:
     """The cells of model ``name``, like :func:`harness.matrix.cells`: every implementation (all of
     the case's by default) × mesh × dtype × switch value. ``meshes`` name their dims ``pp``, ``rep``
-    (dp_replicate), ``dp`` (dp_shard), ``cp``, ``tp``, in that order (``"dp=2,tp=2"``); ``switches``
+    (rep), ``dp`` (dp), ``cp``, ``tp``, in that order (``"dp=2,tp=2"``); ``switches``
     ``ep`` and ``etp`` set the expert mesh (``{"ep": ["2"]}``); ``steps`` defaults to the case's."""
     case = case_of(name)
     return cells(name, impls=list(impls if impls is not None else case.parallelize), meshes=meshes, dtypes=dtypes,

@@ -1,7 +1,7 @@
 """The rules of a model cell, checked before any rank runs, and the meshes its ranks build.
 
 A cell's mesh names the dense dims of :mod:`harness.meshes` by short names, slowest first:
-``pp``, ``rep`` (dp_replicate), ``dp`` (dp_shard), ``cp``, ``tp``; the switches ``ep`` and ``etp``
+``pp``, ``rep`` (rep), ``dp`` (dp), ``cp``, ``tp``; the switches ``ep`` and ``etp``
 cut the sparse (expert) mesh from the same ranks. The ranks build the full
 :class:`harness.meshes.Meshes` of that spec (dense, sparse, flattened batch/loss/fsdp) and hand it
 to ``parallelize``; the cell's own mesh is the dense one, so a rank's coordinates and the pieces it
@@ -15,7 +15,7 @@ from ..config import Config, ConfigError
 from ..meshes.device_mesh import DENSE, MeshSpec
 
 # cell-mesh short name -> harness.meshes dense dim
-LONG = {"pp": "pp", "rep": "dp_replicate", "dp": "dp_shard", "cp": "cp", "tp": "tp"}
+LONG = {"pp": "pp", "rep": "rep", "dp": "dp", "cp": "cp", "tp": "tp"}
 SHORT = {long: short for short, long in LONG.items()}
 ORDER = tuple(LONG)  # the cell mesh's dims, slowest first: nested shards of one tensor dim apply in it
 SWITCHES = ("ep", "etp", "reshard")  # reshard_<layout>: harness.model.reshard
@@ -29,7 +29,7 @@ def spec(cfg: Config) -> MeshSpec:
     unknown = [n for n in names if n not in LONG]
     if unknown:
         raise ConfigError(f"{cfg.id}: mesh dim {unknown[0]!r} is not a model mesh dim: name them "
-                          f"{', '.join(LONG)} (pp, dp_replicate, dp_shard, cp, tp), e.g. dp=2,tp=2")
+                          f"{', '.join(LONG)} (pp, rep, dp, cp, tp), e.g. dp=2,tp=2")
     order = [n for n in LONG if n in names]
     if names != order:
         raise ConfigError(f"{cfg.id}: mesh dims {','.join(names)} are out of order: write them as "
@@ -83,7 +83,7 @@ def check(case, cfg: Config) -> None:
     from .batches import global_batch
 
     batch = global_batch(case, 0)
-    rows = s.dp_replicate * s.dp_shard
+    rows = s.rep * s.dp
     for name, tensor in batch.items():
         if tensor.dim() == 0 or tensor.shape[0] % rows:
             raise ConfigError(f"{cfg.id}: batch[{name!r}] of shape {tuple(tensor.shape)} does not split on dim 0 "

@@ -93,7 +93,7 @@ class Trainer:
     # ---- data ----------------------------------------------------------------------------------
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         ctx, s = self.ctx, self.spec
-        data = (s.dp_replicate * s.dp_shard, ctx.coord("rep") * s.dp_shard + ctx.coord("dp"))
+        data = (s.rep * s.dp, ctx.coord("rep") * s.dp + ctx.coord("dp"))
         local = local_batch(global_batch(self.case, step), self.case.seq_dim, data, (s.cp, ctx.coord("cp")))
         dtype = TORCH_DTYPE[self.cfg.dtype] if self.case.mixed_precision == "bf16" and self.cfg.dtype != "fp32" \
             else torch.float32
@@ -260,7 +260,7 @@ def _train(trainer: Trainer, case: ModelCase, cfg) -> dict[str, Piece]:
         # (a microbatch's rows could pass for a tp shard by their shape), so only parameters are named
         recorder = Recorder(trainer.modules, lambda t, module, name: None if trainer.pipelined else activation(
             t, trainer.degrees, batch_dims, shapes.get((module, name))),
-            grad_scale=1.0 / (s.dp_replicate * s.dp_shard * s.cp))
+            grad_scale=1.0 / (s.rep * s.dp * s.cp))
     pieces: dict[str, Piece] = {}
     for step in range(cfg.size("steps")):
         if recorder:
