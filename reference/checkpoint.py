@@ -33,8 +33,9 @@ from harness import events
 from harness.config import Config
 from harness.context import generator
 from harness.compare.tolerance import TORCH_DTYPE
+from harness.names import param_name, state_name
 
-from .common import adamw, param_name, probe_loss, state_name
+from .common import adamw, probe_loss
 
 SIZES = dict(b=24, h=6, f=10)
 PARAMS = ("w1", "b1", "w2", "b2")

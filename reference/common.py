@@ -1,11 +1,13 @@
 """What every component's reference and parallel side share: the training step they both take.
 
 Shared on purpose, so that the two sides differ only in the parallel algorithm: the optimizer and
-its settings, the probe loss, and the names results are reported under.
+its settings and the probe loss (the names results are reported under are harness.names').
 """
 from __future__ import annotations
 
 import torch
+
+from harness.names import grad_name, param_name, state_name
 
 # One SGD step with momentum. lr is large enough that the update shows in bf16 parameters.
 SGD = dict(lr=0.5, momentum=0.9, weight_decay=0.01)
@@ -49,16 +51,3 @@ def record_step(params: dict[str, torch.Tensor], result: dict[str, torch.Tensor]
     result.update({param_name(k): t.detach() for k, t in params.items()})
     return result
 
-
-def grad_name(name: str) -> str:
-    return f"grad/{name}"
-
-
-def state_name(key: str, name: str) -> str:
-    """Name of a parameter's optimizer state ``key`` (``exp_avg``, ``exp_avg_sq``)."""
-    return f"opt/{key}/{name}"
-
-
-def param_name(name: str) -> str:
-    """Name of a parameter's value after the optimizer step."""
-    return f"param/{name}"

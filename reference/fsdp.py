@@ -25,8 +25,9 @@ from harness import events
 from harness.config import Config
 from harness.context import generator
 from harness.compare.tolerance import TORCH_DTYPE
+from harness.names import grad_name, param_name, state_name, step_name
 
-from .common import adamw, grad_name, param_name, probe_loss, state_name
+from .common import adamw, probe_loss
 
 # f=13 divides none of the dp degrees 2, 3, 4, 8 (uneven torch.chunk shards, 13 over 4 is 4/4/4/1);
 # o=5 is smaller than 8 (and 5 over 4 is 2/2/1/-), so some ranks hold an empty shard of W2 and b2.
@@ -73,10 +74,6 @@ def forward(p: dict[str, torch.Tensor], x: torch.Tensor, step: int = 0) -> torch
     events.op("layer", {"x": h}, {"y": out}, layer=1, step=step)
     return out
 
-
-def step_name(step: int, name: str) -> str:
-    """Result ``name`` of optimizer step ``step`` (1-based): ``step2/grad/w1``."""
-    return f"step{step}/{name}"
 
 
 def reference(cfg: Config) -> dict[str, torch.Tensor]:

@@ -48,8 +48,9 @@ from harness import events
 from harness.config import Config
 from harness.context import generator
 from harness.compare.tolerance import TORCH_DTYPE
+from harness.names import grad_name
 
-from .common import grad_name, probe_loss, record_step
+from .common import probe_loss, record_step
 
 SIZES = dict(t=24, h=8, f=16)  # tokens, model dim, expert FFN dim; e (experts) and k (top-k) are swept
 PARAMS = ("router", "w_gate", "w_up", "w_down")

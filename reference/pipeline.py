@@ -26,8 +26,9 @@ from harness import events
 from harness.config import Config
 from harness.context import generator
 from harness.compare.tolerance import TORCH_DTYPE
+from harness.names import grad_name, param_name
 
-from .common import adamw, grad_name, param_name, record_adamw_state
+from .common import adamw, record_adamw_state
 
 SIZES = dict(s=4, h=8, f=16, v=24)  # sequence, model dim, MLP dim, vocab; b, m, l, vs set per cell
 # Static loss scale: backward runs on loss * 2^-8 (a power of two: it moves exponents only, in every

@@ -20,8 +20,9 @@ from harness.config import Config
 from harness.context import generator
 from harness.layout import Shard, shard_indices
 from harness.compare.tolerance import TORCH_DTYPE
+from harness.names import grad_name
 
-from .common import grad_name, probe_loss, record_step
+from .common import probe_loss, record_step
 
 SIZES = dict(b=2, h=16, q=4, d=4)  # batch, model dim, query heads, head dim; s is swept
 PARAMS = ("wq", "wk", "wv", "wo")

@@ -23,8 +23,9 @@ from harness import events
 from harness.config import Config
 from harness.context import generator
 from harness.compare.tolerance import TORCH_DTYPE
+from harness.names import grad_name
 
-from .common import grad_name, probe_loss, record_step
+from .common import probe_loss, record_step
 
 OPS = ("colgather", "colshard", "rowsplit", "rowshard", "mlp", "sp", "embed", "xent", "gateup")
 SIZES = dict(b=4, s=8, h=16, f=32, v=40)

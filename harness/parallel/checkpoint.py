@@ -47,12 +47,13 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from harness import events
+from harness.compare.tolerance import Tolerances
 from harness.config import Config, ConfigError
 from harness.context import RankContext
 from harness.layout import Piece, Shard, take
-from harness.compare.tolerance import Tolerances
+from harness.names import param_name, state_name
 from reference.checkpoint import MOMENTS, PARAMS, make_problem, reduction_size
-from reference.common import adamw, param_name, probe_loss, state_name
+from reference.common import adamw, probe_loss
 
 from . import checkpoint_io
 from .fsdp import FSDP

@@ -64,8 +64,9 @@ from harness.config import Config, ConfigError
 from harness.context import RankContext
 from harness.events import At
 from harness.layout import Piece, Shard, chunk_bounds, empty_chunk_rule, take
-from reference.common import adamw, grad_name, param_name, probe_loss, state_name
-from reference.fsdp import CLIP_EPS, MAX_NORM, PARAMS, STEPS, make_problem, step_name
+from harness.names import grad_name, param_name, state_name, step_name
+from reference.common import adamw, probe_loss
+from reference.fsdp import CLIP_EPS, MAX_NORM, PARAMS, STEPS, make_problem
 
 from .collectives import all_gather_chunks, group_rank, group_size, reduce_scatter_padded
 

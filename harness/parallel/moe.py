@@ -50,7 +50,8 @@ from harness.config import Config, ConfigError
 from harness.context import RankContext
 from harness.events import At
 from harness.layout import Piece, Shard, take
-from reference.common import grad_name, param_name, probe_loss, sgd_step
+from harness.names import grad_name, param_name
+from reference.common import probe_loss, sgd_step
 from reference.moe import AUX_WEIGHT, EXPERT_PARAMS, capacity, has_aux, make_problem, probs_of, scores_of, swiglu
 
 from .collectives import (all_reduce_, all_to_all_rows, copy_to_group, gather_from_group, group_rank, group_size,

@@ -45,7 +45,8 @@ import torch
 from harness.config import Config
 from harness.context import RankContext
 from harness.layout import Piece, Shard, take
-from reference.common import grad_name, param_name, probe_loss, sgd_step
+from harness.names import grad_name, param_name
+from reference.common import probe_loss, sgd_step
 from reference.moe import AUX_WEIGHT, has_aux, make_problem
 
 from .collectives import all_reduce_, gather_from_group

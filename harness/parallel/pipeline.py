@@ -29,12 +29,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness import events
+from harness.compare.tolerance import TORCH_DTYPE
 from harness.config import Config, ConfigError
 from harness.context import RankContext
 from harness.events import At
 from harness.layout import MeshLayout, Piece, Shard, empty_chunk_rule, piece_index, take
-from harness.compare.tolerance import TORCH_DTYPE
-from reference.common import adamw, grad_name, param_name, state_name
+from harness.names import grad_name, param_name, state_name
+from reference.common import adamw
 from reference.pipeline import BLOCK, GRAD_SCALE, make_problem, tied
 
 from . import pipeline_schedule as ps

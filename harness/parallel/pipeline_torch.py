@@ -20,11 +20,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from harness.compare.tolerance import TORCH_DTYPE
 from harness.config import Config
 from harness.context import RankContext
 from harness.layout import Piece, Shard, take
-from harness.compare.tolerance import TORCH_DTYPE
-from reference.common import adamw, grad_name, param_name, state_name
+from harness.names import grad_name, param_name, state_name
+from reference.common import adamw
 from reference.pipeline import BLOCK, GRAD_SCALE, make_problem, tied
 
 from .collectives import all_reduce_, copy_to_group

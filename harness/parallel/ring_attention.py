@@ -26,7 +26,8 @@ from harness.config import Config, ConfigError, require_divides
 from harness.context import RankContext
 from harness.events import At
 from harness.layout import Piece, Shard, shard_indices, take
-from reference.common import grad_name, param_name, probe_loss
+from harness.names import grad_name, param_name
+from reference.common import probe_loss
 from reference.ring_attention import PARAMS, kv_heads, make_problem, merge_heads, split_heads
 
 from .collectives import copy_to_group, group_rank, group_size, reduce_from_group

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from harness.config import Config
 from harness.context import RankContext
 from harness.layout import Piece, Shard, take
-from reference.common import grad_name, param_name, probe_loss
+from harness.names import grad_name, param_name
+from reference.common import probe_loss
 from reference.ring_attention import PARAMS, kv_heads, make_problem, merge_heads, split_heads
 
 from .step import reduce_and_step

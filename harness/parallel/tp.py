@@ -27,7 +27,8 @@ from harness.config import Config, ConfigError, require_divides
 from harness.context import RankContext
 from harness.events import At
 from harness.layout import Piece, Shard, chunk_bounds, empty_chunk_rule, take
-from reference.common import grad_name, param_name, probe_loss
+from harness.names import grad_name, param_name
+from reference.common import probe_loss
 from reference.tp import LN_EPS, OPS, make_problem
 
 from .collectives import (all_gather_dim, copy_to_group, gather_from_group, group_rank, group_size,

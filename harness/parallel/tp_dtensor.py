@@ -17,7 +17,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 from harness.config import Config
 from harness.context import RankContext
 from harness.layout import Piece, Shard
-from reference.common import grad_name, param_name, probe_loss
+from harness.names import grad_name, param_name
+from reference.common import probe_loss
 from reference.tp import LN_EPS, make_problem
 
 from .step import reduce_and_step

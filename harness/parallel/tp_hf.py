@@ -41,7 +41,8 @@ from torch import nn
 from harness.config import Config
 from harness.context import RankContext
 from harness.layout import Piece, Shard
-from reference.common import grad_name, param_name, probe_loss
+from harness.names import grad_name, param_name
+from reference.common import probe_loss
 from reference.tp import make_problem
 
 from .step import reduce_and_step

@@ -32,11 +32,12 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from harness.compare.tolerance import TORCH_DTYPE
 from harness.config import Config
 from harness.context import RankContext
 from harness.layout import Piece, take
-from harness.compare.tolerance import TORCH_DTYPE
-from reference.common import grad_name, param_name, probe_loss
+from harness.names import grad_name, param_name
+from reference.common import probe_loss
 from reference.tp import make_problem
 
 from .step import reduce_and_step
