@@ -1,8 +1,9 @@
-"""``python -m harness.bisect`` in a user's own project, as README's "Your own implementation" builds it.
+"""``python -m harness.bisect`` in a user's own project, as docs/implementations.md's "Your own implementation"
+builds it.
 
-The project (README's files: ``pytest.ini`` with ``testpaths``, ``tests_parity/conftest.py``
+The project (the page's files: ``pytest.ini`` with ``testpaths``, ``tests_parity/conftest.py``
 registering ``tp``/``mine``, ``mypkg/tp_impl.py``) lives in a temporary directory; the harness is
-installed into a virtual environment by README's own install command, once for the module; every
+installed into a virtual environment by the page's own install command, once for the module; every
 command runs in a subprocess with the user's environment (no PYTHONPATH). The planted bug is the
 user's column-parallel layer with its backward all-reduce forgotten: ``grad/x`` diverges when tp > 1.
 """
@@ -13,22 +14,23 @@ from pathlib import Path
 import pytest
 
 from tests.checkout import copy_checkout, user_env
-from tests.test_outside_project import PLACEHOLDER, code_blocks, project_files, readme_section
+from tests.test_outside_project import IMPLEMENTATIONS, PLACEHOLDER, code_blocks, doc_section, project_files
 
 pytestmark = pytest.mark.slow
 
 REDUCED = "    for t in (x.grad, total):  # partial sums over my features\n"
 FORGOTTEN = "    for t in (total,):  # x.grad's all-reduce forgotten\n"
-CELL = "tp-mine-tp2-fp32-op_colshard-b4.f32.h16.s8.v40-seed0"  # one of README's test_mine.py cells
+CELL = "tp-mine-tp2-fp32-op_colshard-b4.f32.h16.s8.v40-seed0"  # one of the page's test_mine.py cells
 WIDE = "tp-mine-tp4-bf16-op_colshard-b4.f32.h16.s8.v40-seed0"
 
 
 @pytest.fixture(scope="module")
 def python(tmp_path_factory) -> Path:
-    """The interpreter of a virtual environment made by README's install command (outside any project)."""
+    """The interpreter of a virtual environment made by the page's install command (outside any project)."""
     base = tmp_path_factory.mktemp("installed")
     source = copy_checkout(base / "paritytest")  # pip builds in the source tree: not this checkout
-    install = [body for lang, body in code_blocks(readme_section("Your own implementation")) if lang == "sh"][0]
+    blocks = code_blocks(doc_section(IMPLEMENTATIONS, "Your own implementation"))
+    install = [body for lang, body in blocks if lang == "sh"][0]
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", install.replace(PLACEHOLDER, str(source))], cwd=base,
                           env=user_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -36,10 +38,10 @@ def python(tmp_path_factory) -> Path:
 
 
 def make_project(path: Path, bug: bool = False) -> Path:
-    """README's project at ``path``; with ``bug``, its layer's backward all-reduce forgotten."""
-    for name, text in project_files(code_blocks(readme_section("Your own implementation"))).items():
+    """docs/implementations.md's project at ``path``; with ``bug``, its layer's backward all-reduce forgotten."""
+    for name, text in project_files(code_blocks(doc_section(IMPLEMENTATIONS, "Your own implementation"))).items():
         if name == "mypkg/tp_impl.py" and bug:
-            assert REDUCED in text, "README's layer changed: update REDUCED"
+            assert REDUCED in text, "docs/implementations.md's layer changed: update REDUCED"
             text = text.replace(REDUCED, FORGOTTEN)
         (path / name).parent.mkdir(parents=True, exist_ok=True)
         (path / name).write_text(text)
@@ -116,7 +118,7 @@ def test_git_bisect_run_names_the_commit_that_broke_the_users_layer(python, tmp_
         return git("rev-parse", "HEAD")
 
     git("init", "-q")
-    first = commit("my layer, as README has it")
+    first = commit("my layer, as docs/implementations.md has it")
     layer.write_text(layer.read_text() + "# a harmless comment\n")
     commit("a comment")
     layer.write_text(layer.read_text().replace(REDUCED, FORGOTTEN))

@@ -1,9 +1,9 @@
-"""README's table of what each built-in component expects back, held to the references.
+"""docs/implementations.md's table of what each built-in component expects back, held to the references.
 
 The table (section "What each built-in component expects back") is what a user writing an outside
 implementation reads instead of ``harness/parallel/<c>.py``; this test parses it and runs the reference of
 a config of every component (every ``tp`` op, both ``tied`` of ``pp``, both ``aux`` of ``moe``), so a
-result renamed, added or reshaped in a reference fails here until README says so.
+result renamed, added or reshaped in a reference fails here until the page says so.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from harness.config import Config
 from harness.registry import get
 from reference import checkpoint, fsdp, moe, pipeline, ring_attention, tp
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-SECTION = "### What each built-in component expects back"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "implementations.md"
+SECTION = "## What each built-in component expects back"
 BUILT_IN = ("tp", "ringattn", "moe", "pp", "fsdp", "ckpt")
 
 
@@ -53,14 +53,14 @@ def shape_of(text: str, symbols: dict[str, int]) -> tuple[int, ...]:
     dims = []
     for dim in inner.split(","):
         expr = re.sub(r"(\d)([a-z])", r"\1*\2", dim.strip())
-        dims.append(int(eval(expr, {"__builtins__": {}}, symbols)))  # noqa: S307  README's own arithmetic
+        dims.append(int(eval(expr, {"__builtins__": {}}, symbols)))  # noqa: S307  the page's own arithmetic
     return tuple(dims)
 
 
 def table_rows() -> list[dict]:
-    """README's rows: component, when ({switch: values} or {}), [(name pattern, shape text)]."""
-    text = README.read_text()
-    assert SECTION in text, f"README lost its section {SECTION!r}"
+    """The page's rows: component, when ({switch: values} or {}), [(name pattern, shape text)]."""
+    text = PAGE.read_text()
+    assert SECTION in text, f"{PAGE.name} lost its section {SECTION!r}"
     body = text.split(SECTION, 1)[1]
     rows = []
     for line in body.splitlines():
@@ -72,7 +72,7 @@ def table_rows() -> list[dict]:
         component, when, results, shapes = cells[0].strip("`"), cells[1], cells[2], cells[3]
         names = re.findall(r"`([^`]+)`", results)
         dims = re.findall(r"`(\[[^`]*\])`", shapes)
-        assert len(dims) in (1, len(names)), f"README row {line!r}: {len(names)} results but {len(dims)} shapes"
+        assert len(dims) in (1, len(names)), f"{PAGE.name} row {line!r}: {len(names)} results but {len(dims)} shapes"
         condition = {}
         if when:
             key, _, values = when.partition(":")
@@ -83,7 +83,7 @@ def table_rows() -> list[dict]:
 
 
 def documented(cfg: Config, rows: list[dict]) -> dict[str, tuple[int, ...]]:
-    """What README says ``cfg``'s reference returns: {name: shape}."""
+    """What the page says ``cfg``'s reference returns: {name: shape}."""
     symbols = dict(cfg.sizes)
     if cfg.component == "ringattn":
         symbols["kv"] = ring_attention.kv_heads(cfg)
@@ -96,7 +96,7 @@ def documented(cfg: Config, rows: list[dict]) -> dict[str, tuple[int, ...]]:
             continue
         for pattern, dims in row["results"]:
             for name in expand(pattern):
-                assert name not in out, f"README lists {cfg.component} result {name!r} twice for {cfg.id}"
+                assert name not in out, f"{PAGE.name} lists {cfg.component} result {name!r} twice for {cfg.id}"
                 out[name] = shape_of(dims, symbols)
     return out
 
@@ -111,7 +111,7 @@ def test_readme_names_and_shapes_match_the_reference(cfg):
     want = documented(cfg, table_rows())
     got = {name: tuple(t.shape) for name, t in get(cfg.component).reference_result(cfg).items()}
     assert sorted(got) == sorted(want), (
-        f"{cfg.id}: README documents {sorted(set(want) - set(got))} that the reference does not return, "
+        f"{cfg.id}: {PAGE.name} documents {sorted(set(want) - set(got))} that the reference does not return, "
         f"and omits {sorted(set(got) - set(want))}")
     wrong = {name: (want[name], got[name]) for name in got if want[name] != got[name]}
-    assert not wrong, f"{cfg.id}: README's shapes (documented, actual) differ: {wrong}"
+    assert not wrong, f"{cfg.id}: {PAGE.name}'s shapes (documented, actual) differ: {wrong}"

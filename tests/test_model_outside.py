@@ -7,13 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.test_outside_project import code_blocks, project_files, readme_section
+from tests.test_outside_project import code_blocks, doc_section, project_files
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def model_blocks():
-    return code_blocks(readme_section("Your own model"))
+    return code_blocks(doc_section("README.md", "Your own model"))
 
 
 def test_the_user_writes_at_most_30_lines():

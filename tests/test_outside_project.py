@@ -1,6 +1,7 @@
-"""README's "Your own implementation", followed to the letter in a project outside this checkout.
+"""docs/implementations.md's "Your own implementation", followed to the letter in a project outside
+this checkout.
 
-The files and commands come from README's code blocks, not from this test: a README that drifts
+The files and commands come from the page's code blocks, not from this test: a page that drifts
 from what works fails here. The harness is installed into a fresh virtual environment (no
 PYTHONPATH, not run from this checkout), as a user's project would have it.
 """
@@ -14,10 +15,13 @@ from tests.checkout import copy_checkout, user_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PLACEHOLDER = "/path/to/paritytest"
+IMPLEMENTATIONS = "docs/implementations.md"  # the page that holds "Your own implementation"
 
 
-def readme_section(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
+def doc_section(page: str, title: str) -> str:
+    """Section ``## title`` of ``page`` (``"README.md"``, ``"docs/implementations.md"``, ...), up to the next
+    ``## `` heading."""
+    text = (ROOT / page).read_text()
     start = text.index(f"## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start:end if end > 0 else None]
@@ -40,7 +44,7 @@ def project_files(blocks) -> dict[str, str]:
 
 
 def test_the_readme_blocks_name_a_package_a_conftest_a_test_and_the_commands():
-    blocks = code_blocks(readme_section("Your own implementation"))
+    blocks = code_blocks(doc_section(IMPLEMENTATIONS, "Your own implementation"))
     files = project_files(blocks)
     assert {"mypkg/tp_impl.py", "tests_parity/conftest.py", "tests_parity/test_mine.py"} <= set(files)
     commands = [body for lang, body in blocks if lang == "sh"]
@@ -49,7 +53,7 @@ def test_the_readme_blocks_name_a_package_a_conftest_a_test_and_the_commands():
 
 @pytest.mark.slow
 def test_an_outside_project_runs_its_own_implementation_as_readme_says(tmp_path):
-    blocks = code_blocks(readme_section("Your own implementation"))
+    blocks = code_blocks(doc_section(IMPLEMENTATIONS, "Your own implementation"))
     project = tmp_path / "myproject"
     for name, text in project_files(blocks).items():
         path = project / name

