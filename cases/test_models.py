@@ -23,11 +23,11 @@ from harness.examples import llama_hf, qwen3moe_hf  # noqa: E402
 
 HF = llama_hf.cells() + qwen3moe_hf.cells()
 
-# the project's own components composed (harness/examples/composed.py): the 5D seed pp2·ep2·cp2 with FSDP over
+# the project's own components composed (harness/examples/composed/): the 5D seed pp2·ep2·cp2 with FSDP over
 # dp·cp, the 3D seed pp2·dp2·tp2 (autograd and its manual-backward MLP), dp2ep on dp2·cp2·tp2, and a
 # reshard of FSDP4·TP2·EP2 to HSDP2×2·TP2·EP2; the 16-rank pp2·dp2·cp2·tp2·ep4 cell runs under torchrun
 # (tests/test_composed.py)
-from harness.examples.composed import cells as composed_cells  # noqa: E402
+from harness.examples.composed.case import cells as composed_cells  # noqa: E402
 
 COMPOSED = composed_cells()
 

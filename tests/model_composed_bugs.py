@@ -1,4 +1,4 @@
-"""Planted bugs in the composed model (harness/examples/composed.py), one component broken in one block each,
+"""Planted bugs in the composed model (harness/examples/composed/), one component broken in one block each,
 registered as implementations of the model ``composedbug`` (tests/test_composed_bugs.py): never
 flags in production code. Each is the composed model's own ``parallelize`` with one module of the
 result patched on this rank's instance (or, for the ring, its mask function swapped while that
@@ -22,8 +22,9 @@ import harness.parallel.moe as par_moe
 import harness.parallel.ring_attention as par_ring
 from harness.events import paused
 from harness.model import ModelCase
-from harness.examples import composed
-from harness.examples.composed_parallel import ParallelAttention, parallelize as composed_parallelize
+from harness.examples.composed.case import CASE, supports
+from harness.examples.composed.model import HEADS
+from harness.examples.composed.parallel import ParallelAttention, parallelize as composed_parallelize
 from harness.parallel.collectives import group_size
 from harness.parallel.tp import column_parallel
 from reference.ring_attention import merge_heads, split_heads
@@ -48,7 +49,7 @@ def _with_attention(model, meshes, block: str, forward):
 # ---- tp: the row-parallel all-reduce removed in block 1's attention -------------------------------
 def _attention_without_all_reduce(self, x):
     g = self.groups
-    heads = composed.HEADS // group_size(g.tp)
+    heads = HEADS // group_size(g.tp)
     q, k, v = (split_heads(column_parallel(x, self.get[w](), None, g.tp), heads) for w in ("wq", "wk", "wv"))
     with paused():
         out, _ = par_ring.ring_attention(q, k, v, g.cp, self.pos, True)
@@ -90,7 +91,9 @@ def no_dp_sum(model, meshes):
     made = composed_parallelize(model, meshes, manual=False)
     block = _blocks(made).get("1")
     if block is not None:  # the second stage (pp=2) or the whole model
-        for fp, _ in block.unit.flat.values():
+        for row in block.unit.flat.values():
+            fp = row.param
+
             def reduce(grad_full, fp=fp):
                 from harness.parallel.collectives import group_rank
 
@@ -121,7 +124,7 @@ class LeakyRing(par_ring.RingAttention):
 
 def _attention_leaky(self, x):
     g = self.groups
-    heads = composed.HEADS // group_size(g.tp)
+    heads = HEADS // group_size(g.tp)
     q, k, v = (split_heads(column_parallel(x, self.get[w](), None, g.tp), heads) for w in ("wq", "wk", "wv"))
     with paused():
         out, _ = LeakyRing.apply(q, k, v, g.cp, self.pos, True, None)
@@ -134,7 +137,7 @@ def ring_off_by_one(model, meshes):
     return _with_attention(model, meshes, "0", _attention_leaky)
 
 
-BUGS = ModelCase(build=composed.build, batch=composed.batch, loss=composed.loss, steps=composed.CASE.steps,
-                 seq_dim=1, supports={k: composed.supports for k in ("notpar", "nounperm", "nodpsum", "ringoff")},
+BUGS = ModelCase(build=CASE.build, batch=CASE.batch, loss=CASE.loss, steps=CASE.steps,
+                 seq_dim=1, supports={k: supports for k in ("notpar", "nounperm", "nodpsum", "ringoff")},
                  parallelize={"notpar": no_tp_all_reduce, "nounperm": no_unpermute, "nodpsum": no_dp_sum,
                               "ringoff": ring_off_by_one})

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.examples.composed import cells16
+from harness.examples.composed.case import cells16, reshard_tp
 from tests.test_torchrun import env_for, outcomes, private_tmpdir, rank_log_tails  # noqa: F401  (autouse fixture)
 
 CELLS16 = cells16()
@@ -49,11 +49,11 @@ def _tree_rss(root: int) -> int:
 
 @pytest.mark.slow
 # Opt-in in tests/: 16 processes and 6 GiB for 100-220 s starve the other xdist worker (beside it a
-# composed cell with a 30 s deadline hung: issue 20's note, "16-rank torchrun"). .ci/run runs it in a
+# composed cell with a 30 s deadline hung: docs/design/composed-model.md, "16-rank torchrun"). .ci/run runs it in a
 # step of its own, after tests/ and cases/.
 @pytest.mark.skipif(not os.environ.get("PARITYTEST_16_RANKS"),
                     reason="the 16-rank torchrun cell runs with PARITYTEST_16_RANKS=1: 16 processes, 6 GiB, "
-                           "100-220 s on 2 cores, which starve a test beside it (issue 20's note)")
+                           "100-220 s on 2 cores, which starve a test beside it (docs/design/composed-model.md)")
 def test_the_16_rank_cell_under_torchrun(tmp_path):
     """torchrun --nproc-per-node 16: every rank a pytest process running the cell in-process; the
     peak of the summed resident memory of the whole process tree, sampled every 0.2 s. A failed job
@@ -95,9 +95,9 @@ def test_the_16_rank_cell_under_torchrun(tmp_path):
     assert [outcome for _, outcome, _ in outcomes(xml)] == ["passed"]
 
 
-@pytest.mark.parametrize("cfg", __import__("harness.examples.composed", fromlist=["reshard_tp"]).reshard_tp(), ids=str)
+@pytest.mark.parametrize("cfg", reshard_tp(), ids=str)
 def test_composed_reshard_fsdp4_tp2_ep2_to_hsdp(cfg, rank_pool):
-    """The issue's trip: FSDP4·TP2·EP2 saved after step 5, loaded as HSDP 2×2·TP2·EP2 for steps 6-10;
+    """A trip across layouts: FSDP4·TP2·EP2 saved after step 5, loaded as HSDP 2×2·TP2·EP2 for steps 6-10;
     its losses and final state equal the reference's (and so the run that never resharded). Two
     8-rank layouts and ten steps: it gets a deadline of its own (the matrix's is 30 s)."""
     from harness.cell import run_cell

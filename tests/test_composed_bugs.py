@@ -6,7 +6,7 @@ from harness.model import model_cells, register_model
 from tests.conftest import failure_of
 
 # the composed model's deadline factor (harness/components.py): the same model, cells of the same size;
-# with 1 x 30 s the pipelined nodpsum cell hung out beside the 16-rank torchrun job (issue 20's note)
+# with 1 x 30 s the pipelined nodpsum cell hung out beside the 16-rank torchrun job (docs/design/composed-model.md)
 register_model("composedbug", "tests.model_composed_bugs:BUGS", deadline_factor=4.0)
 
 E2 = {"ep": ["2"], "etp": ["2"]}

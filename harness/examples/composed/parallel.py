@@ -1,8 +1,36 @@
-"""The parallel side of ``harness/examples/composed.py``: its modules rebuilt from ``harness/parallel/``, holding this
-rank's shards under the reference's parameter names (see that module's docstring for the layout)."""
+"""The composed model's parallel modules: ``model.py``'s modules rebuilt from ``harness/parallel/``,
+holding this rank's shards under the reference's parameter names, its FSDP units, its pipeline stage
+and schedule, and :func:`parallelize`, which applies every dim the mesh has:
+
+* tp: the embedding and head vocab-parallel, wq/wk/wv column-parallel and wo row-parallel (heads over
+  tp), the MLP column- then row-parallel (``harness/parallel/tp.py``); the experts' FFN over etp = tp
+  (``harness/parallel/moe.py``'s ``run_experts``); the logits stay cut by vocabulary
+  (:class:`VocabLogits`) and :func:`loss` runs the vocab-parallel cross-entropy;
+* cp: ring attention over the sequence chunks (``harness/parallel/ring_attention.py``, contiguous layout: the
+  harness cuts the sequence in cp chunks);
+* ep: the experts over the sparse mesh's ep, borrowed from dp·cp (dp2ep), tokens dispatched and
+  combined with ``harness/parallel/moe.py``'s all-to-all pair;
+* dp·cp (FSDP) and rep (HSDP): FSDP units as torchtitan wraps them (the embedding,
+  each block, norm + head), each one ``harness/parallel/fsdp.py`` ``FSDPParam`` per shard group holding every
+  parameter's dim-0 chunk side by side (FSDP1's flat parameter): all-gathered once per call of the
+  unit, its gradient reduce-scattered once, all-reduced over rep and divided by the loss
+  ranks (rep·dp·cp: each rank's loss is a mean over its own tokens). The shard group is the
+  flattened fsdp group (times tp for a tensor tp cuts on dim 0; the experts' efsdp·ep is the same
+  ranks), the tp or ep chunk being cut from the gathered tensor. Each parameter is a DTensor over the
+  dense mesh (rep, dp, cp, tp) sharing the shard's storage: the harness reads its
+  placements and ``torch.distributed.checkpoint`` saves and reshards it;
+* pp: two stages (embedding + block 0, block 1 + norm + head) run by ``harness/parallel/pipeline.py``'s
+  ``execute`` on the 1F1B action lists of ``harness/parallel/pipeline_schedule.py`` (``MICROBATCHES``
+  microbatches), wrapped as :class:`harness.model.Pipelined`.
+
+``manual=True`` swaps the dense MLP for the 3D seed's hand-written backward (:class:`ManualMLP`).
+Imports ``model.py`` (its modules, sizes and single-process loss) and ``harness/parallel/``; the
+model case (``case.py``) builds on this module, never the other way.
+"""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -16,16 +44,17 @@ from harness.layout import Shard, chunk_bounds, take
 from harness.model import Pipelined
 from harness.parallel import moe as par_moe
 from harness.parallel import pipeline_schedule as ps
-from harness.parallel.collectives import copy_to_group, group_rank, group_size, reduce_from_group
+from harness.parallel.collectives import copy_to_group, group_rank, group_size
 from harness.parallel.fsdp import DPGroups, FSDPParam
 from harness.parallel.pipeline import execute
 from harness.parallel.ring_attention import positions, ring_attention
-from harness.parallel.tp import column_parallel, row_parallel, vocab_parallel_embedding
+from harness.parallel.tp import column_parallel, row_parallel, vocab_parallel_cross_entropy, vocab_parallel_embedding
+from reference.moe import EXPERT_PARAMS
 from reference.pipeline import GRAD_SCALE
 from reference.ring_attention import merge_heads, split_heads
 
-from . import composed as ref
-from .composed import DIM, EPS, HEAD_DIM, HEADS, MICROBATCHES, MOE, SEQ, VOCAB, VocabLogits
+from . import model as ref
+from .model import DIM, EPS, HEADS, MICROBATCHES, MOE, SEQ, VOCAB
 
 
 # ---- the groups ---------------------------------------------------------------------------------------
@@ -53,8 +82,56 @@ class Groups:
         return DPGroups(shard_group, self.rep, self.loss_ranks, 0)
 
 
-class Weight(nn.Module):
-    """Nothing but a parameter holder (keeps names when a module is swapped)."""
+# ---- the FSDP units ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Cut:
+    """A dim-0 chunk cut from a gathered tensor: this rank's chunk of ``ranks`` over ``group``."""
+
+    group: dist.ProcessGroup
+    ranks: int
+
+
+@dataclass(eq=False)
+class Entry:
+    """A parameter declared to a :class:`Unit`: attribute ``name`` of ``module``; ``full``: the
+    reference's tensor; ``sharded``: what FSDP shards over ``group`` (``full``, or its tp chunk);
+    ``inner``: the chunk cut from the gathered tensor (tp or ep), or None; ``placements`` on ``mesh``:
+    the DTensor's."""
+
+    module: nn.Module
+    name: str
+    full: torch.Tensor
+    sharded: torch.Tensor
+    group: dist.ProcessGroup
+    inner: Cut | None
+    placements: list
+    mesh: object
+
+
+@dataclass(frozen=True, eq=False)
+class Segment:
+    """An :class:`Entry`'s place in its shard group's flat rows: ``size`` elements from ``offset`` of each
+    rank's row, a dim-0 chunk of ``shape`` of the ``sharded_shape`` tensor; ``full_shape``: the
+    reference's (the DTensor's global shape)."""
+
+    module: nn.Module
+    name: str
+    offset: int
+    size: int
+    shape: tuple[int, ...]
+    sharded_shape: tuple[int, ...]
+    inner: Cut | None
+    placements: list
+    mesh: object
+    full_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class FlatRow:
+    """One shard group's flat parameter: the ``FSDPParam`` (``[ranks, C]``) and its segments."""
+
+    param: FSDPParam
+    segments: list[Segment]
 
 
 class Unit:
@@ -72,8 +149,9 @@ class Unit:
 
     def __init__(self, root: nn.Module, groups: Groups):
         self.groups, self.root = groups, root
-        self.entries: list[tuple] = []  # (module, name, full, shard group, tp cut, inner, placements, mesh)
-        self.flat: dict = {}  # shard group -> (FSDPParam, [(module, name, offset, size, shape)])
+        self.entries: list[Entry] = []
+        self.flat: dict[dist.ProcessGroup, FlatRow] = {}  # by shard group
+        self.segments: dict[tuple[int, str], Segment] = {}  # by (id(module), name)
         self.cache: dict | None = None
         root.register_forward_pre_hook(lambda module, args: self.drop())
 
@@ -88,70 +166,72 @@ class Unit:
         and the ep chunk is cut from the gathered experts)."""
         g, s = self.groups, self.groups.spec
         n_tp, c_tp = group_size(g.tp), group_rank(g.tp)
-        inner = None  # (group, size) of a dim-0 chunk cut from the gathered tensor
+        inner = None
         placements = [Replicate(), DShard(0), DShard(0), Replicate()]
         mesh = g.dense
         if expert_dim is not None:
             # the DTensor sits on the dense mesh: (efsdp, ep) are the fsdp ranks (dp, cp) in the same
             # order (asserted in Groups), so this is the same layout, and the harness can place it
             # without gathering (a sparse-mesh DTensor would be read back with full_tensor())
-            sharded, group, inner = (take(full, Shard(expert_dim), n_tp, c_tp) if n_tp > 1 else full), g.fsdp, \
-                (g.ep, s.ep)
+            sharded = take(full, Shard(expert_dim), n_tp, c_tp) if n_tp > 1 else full
+            group, inner = g.fsdp, Cut(g.ep, s.ep)
             if n_tp > 1:
                 placements[3] = DShard(expert_dim)
         elif tp_dim == 0 and n_tp > 1:
-            sharded, group, inner = full, g.fsdp_tp, (g.tp, n_tp)
+            sharded, group, inner = full, g.fsdp_tp, Cut(g.tp, n_tp)
             placements[3] = DShard(0)
         else:
             cut = tp_dim is not None and n_tp > 1
             sharded, group = (take(full, Shard(tp_dim), n_tp, c_tp) if cut else full), g.fsdp
             if cut:
                 placements[3] = DShard(tp_dim)
-        self.entries.append((module, name, full, sharded.detach().float(), group, inner, placements, mesh))
+        self.entries.append(Entry(module, name, full, sharded.detach().float(), group, inner, placements, mesh))
         return lambda: self.get(module, name)
 
     def build(self):
         """Cut every declared parameter into the flat rows and register the DTensor parameters."""
-        by_group: dict = {}
+        by_group: dict[dist.ProcessGroup, list[Entry]] = {}
         for entry in self.entries:
-            by_group.setdefault(entry[4], []).append(entry)
+            by_group.setdefault(entry.group, []).append(entry)
         for group, entries in by_group.items():
-            n, r = group_size(group), group_rank(group)
+            n = group_size(group)
             rows, segments, offset = [], [], 0
-            for module, name, full, sharded, _, inner, placements, mesh in entries:
-                if sharded.shape[0] % n:
-                    raise ValueError(f"{name}: {sharded.shape[0]} rows do not shard evenly over {n} ranks")
-                chunks = sharded.chunk(n)
+            for e in entries:
+                if e.sharded.shape[0] % n:
+                    raise ValueError(f"{e.name}: {e.sharded.shape[0]} rows do not shard evenly over {n} ranks")
+                chunks = e.sharded.chunk(n)
                 rows.append(torch.stack([c.flatten() for c in chunks]))
-                segments.append((module, name, offset, chunks[0].numel(), tuple(chunks[0].shape), tuple(sharded.shape),
-                                 inner, placements, mesh, tuple(full.shape)))
+                segments.append(Segment(e.module, e.name, offset, chunks[0].numel(), tuple(chunks[0].shape),
+                                        tuple(e.sharded.shape), e.inner, e.placements, e.mesh, tuple(e.full.shape)))
                 offset += chunks[0].numel()
             fp = FSDPParam(f"unit{len(self.flat)}", torch.cat(rows, 1), self.groups.dp_groups(group), torch.float32)
-            self.flat[group] = (fp, segments)
-            for module, name, off, size, shape, _, _, placements, mesh, full_shape in segments:
-                local = fp.padded[0, off:off + size].view(shape)
-                dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(full_shape),
-                                        stride=torch.empty(full_shape, device="meta").stride())
+            self.flat[group] = FlatRow(fp, segments)
+            for seg in segments:
+                local = fp.padded[0, seg.offset:seg.offset + seg.size].view(seg.shape)
+                dt = DTensor.from_local(local, seg.mesh, seg.placements, run_check=False,
+                                        shape=torch.Size(seg.full_shape),
+                                        stride=torch.empty(seg.full_shape, device="meta").stride())
                 param = nn.Parameter(dt)
-                assert param.to_local().data_ptr() == local.data_ptr(), f"{name}: the DTensor does not share the shard"
-                setattr(module, name, param)
+                assert param.to_local().data_ptr() == local.data_ptr(), f"{seg.name}: the DTensor does not share the shard"
+                setattr(seg.module, seg.name, param)
+                self.segments[id(seg.module), seg.name] = seg
 
     def gathered(self) -> dict:
         if self.cache is None:
             self.cache = {}
-            for group, (fp, segments) in self.flat.items():
-                locals_ = [getattr(module, name).to_local() for module, name, *_ in segments]
-                fulls = GatherUnit.apply(fp, segments, *locals_)
-                for (module, name, *_), whole in zip(segments, fulls):
-                    self.cache[id(module), name] = whole
+            for row in self.flat.values():
+                locals_ = [getattr(seg.module, seg.name).to_local() for seg in row.segments]
+                fulls = GatherUnit.apply(row.param, row.segments, *locals_)
+                for seg, whole in zip(row.segments, fulls):
+                    self.cache[id(seg.module), seg.name] = whole
         return self.cache
 
     def get(self, module, name):
         whole = self.gathered()[id(module), name]
-        inner = next(seg[6] for _, (fp, segs) in self.flat.items() for seg in segs if seg[0] is module and seg[1] == name)
-        if inner is None or inner[1] == 1:
+        inner = self.segments[id(module), name].inner
+        if inner is None or inner.ranks == 1:
             return whole
-        lo, hi = chunk_bounds(whole.shape[0], inner[1], group_rank(inner[0]))
+        lo, hi = chunk_bounds(whole.shape[0], inner.ranks, group_rank(inner.group))
         return whole.narrow(0, lo, hi - lo)
 
 
@@ -165,17 +245,17 @@ class GatherUnit(torch.autograd.Function):
     def forward(ctx, fp, segments, *locals_):
         ctx.fp, ctx.segments = fp, segments
         flat = fp.gather()  # [ranks, C]
-        return tuple(flat[:, off:off + size].reshape(-1, *shape[1:]).reshape(sharded)
-                     for _, _, off, size, shape, sharded, *_ in segments)
+        return tuple(flat[:, s.offset:s.offset + s.size].reshape(-1, *s.shape[1:]).reshape(s.sharded_shape)
+                     for s in segments)
 
     @staticmethod
     def backward(ctx, *grads):
         fp, segments = ctx.fp, ctx.segments
         n = fp.full_shape[0]
-        rows = torch.cat([(g if g is not None else torch.zeros(sharded)).reshape(n, size)
-                          for g, (_, _, _, size, _, sharded, *_) in zip(grads, segments)], 1)
+        rows = torch.cat([(g if g is not None else torch.zeros(s.sharded_shape)).reshape(n, s.size)
+                          for g, s in zip(grads, segments)], 1)
         mine = fp.reduce(rows)[0]  # this rank's row, reduced
-        return (None, None, *(mine[off:off + size].view(shape) for _, _, off, size, shape, *_ in segments))
+        return (None, None, *(mine[s.offset:s.offset + s.size].view(s.shape) for s in segments))
 
 
 # ---- the parallel modules ---------------------------------------------------------------------------------
@@ -281,7 +361,7 @@ class ParallelMoE(nn.Module):
         super().__init__()
         self.groups = groups
         self.get = {"router": unit.add(self, "router", ref_module.router.data)}
-        for w in ref_moe_expert_params():
+        for w in EXPERT_PARAMS:
             self.get[w] = unit.add(self, w, getattr(ref_module, w).data, expert_dim=par_moe.FFN_DIM[w])
 
     def forward(self, x):
@@ -294,10 +374,23 @@ class ParallelMoE(nn.Module):
         return out.view(b, s, h)
 
 
-def ref_moe_expert_params():
-    from reference.moe import EXPERT_PARAMS
+class VocabLogits:
+    """A rank's logits cut over tp by vocabulary (:func:`cross_entropy` runs the vocab-parallel cross-entropy)."""
 
-    return EXPERT_PARAMS
+    def __init__(self, logits, tp):
+        self.logits, self.tp = logits, tp
+
+
+def cross_entropy(output, target: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy: vocab-parallel on a :class:`VocabLogits`, else ``model.py``'s."""
+    if isinstance(output, VocabLogits):
+        return vocab_parallel_cross_entropy(output.logits, target, output.tp, VOCAB).mean()
+    return ref.cross_entropy(output, target)
+
+
+def loss(output, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model case's loss: on the reference's logits or on a parallel model's :class:`VocabLogits`."""
+    return cross_entropy(output, batch["target"])
 
 
 class ParallelHead(nn.Module):
@@ -359,7 +452,7 @@ class Stage:
         out = self.submod(x)
         if s < self.last:
             return out
-        loss = ref.cross_entropy(out, target)
+        loss = cross_entropy(out, target)
         self.losses.append(loss.detach())
         return loss / MICROBATCHES  # the microbatches add up to this rank's mean
 
