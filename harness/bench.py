@@ -37,7 +37,7 @@ from .cell import assemble_result, parity, run_cell
 from .config import Config
 from .layout import MeshLayout
 from .pool.parent import Pool
-from .registry import validate
+from .registry import check_config, get
 from reference.checkpoint import SIZES as CKPT_SIZES
 
 TP_MLP = Config("tp", "ours", {"tp": 4}, "fp32", dict(b=4, s=8, h=16, f=32, v=40), {"op": "mlp"})
@@ -141,7 +141,8 @@ def _spawned_rank(rank: int, world: int, store_path: str, cfg: Config, out) -> N
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     layout = MeshLayout.of(cfg.mesh)
-    component = validate(cfg)
+    check_config(cfg)
+    component = get(cfg.component)
     extra = tuple(tuple(dims) for dims in component.extra_meshes(cfg))
     meshes: dict = {}
     build_meshes(meshes, (cfg.mesh, *extra), "gloo")
@@ -166,7 +167,8 @@ def spawn_per_test(cfg: Config) -> None:
             p.join()
             if p.exitcode:
                 raise RuntimeError(f"spawned rank exited with {p.exitcode}")
-    _, report = parity(cfg, validate(cfg), assemble_result(cfg, pieces))
+    check_config(cfg)
+    _, report = parity(cfg, get(cfg.component), assemble_result(cfg, pieces))
     assert report.ok, report.table()
 
 
@@ -211,7 +213,8 @@ def main(argv=None) -> dict:
     cell_repeats = max(20, args.repeats // 10)
     cell_ms = {}
     for name, cfg in CELLS.items():
-        reason = validate(cfg).implementations[cfg.impl].skip_reason(cfg)
+        check_config(cfg)
+        reason = get(cfg.component).implementations[cfg.impl].skip_reason(cfg)
         if reason:
             print(f"cell {name:<20} skipped: {reason}", file=sys.stderr)
             continue

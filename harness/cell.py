@@ -12,17 +12,17 @@ from .compare.tolerance import Tolerances
 from .config import Config
 from .golden.store import GoldenError, MissingGolden, golden_path, metadata, read_golden, update_command, write_golden
 from .layout import AssemblyError, MeshLayout, assemble
-from .pool.parent import Pool
-from .registry import Component, validate
+from .registry import Component, Diagnosis, check_config, get
 
 
 class Divergence(AssertionError):
     """A cell whose numbers differ from the reference or from its golden file."""
 
-    def __init__(self, message: str, report: Report | None = None, drift: bool = False):
+    def __init__(self, message: str, report: Report | None = None, drift: bool = False, record: dict | None = None):
         super().__init__(message)
         self.report = report
         self.drift = drift  # against the golden file: the reference agreed, the stored numbers did not
+        self.record = record or {}  # the component's extras for the cell's junit record
 
     @property
     def kind(self) -> str:
@@ -43,29 +43,26 @@ class CellOutcome:
     golden_status: str = "not checked"  # identical, within tolerance, written, updated
     moved: str = ""  # table of what an update changed
     seconds: float = 0.0
+    record: dict = field(default_factory=dict)  # the component's extras for the cell's junit record
     result: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 _references: dict[tuple, dict[str, torch.Tensor]] = {}
 
 
-def reference_for(cfg: Config, pool: Pool | None = None) -> dict[str, torch.Tensor]:
-    """The reference result of ``cfg``'s problem, computed once per process and reused for every mesh.
-
-    With a warm pool, the pool's first rank computes it: a rank paid torch's lazy imports before
-    its fork (the optimizer step's ``torch._dynamo``, about 1 s), so this process never pays them,
-    which is most of what one cell on a kept pool costs beyond importing torch. The reference is
-    plain single-process PyTorch in fp64 and is compared under tolerance, so where it runs changes
-    the time, not the verdict; without a pool (bisect, bench, torchrun) it runs here."""
+def reference_for(cfg: Config, pool=None) -> dict[str, torch.Tensor]:
+    """The reference result of ``cfg``'s problem, computed once per process and reused for every
+    mesh: by ``pool`` (the warm pool computes it on its first rank; torchrun's runner here), or here
+    without one (bisect, bench)."""
     if cfg.problem_key not in _references:
-        component = validate(cfg)
-        if isinstance(pool, Pool):
-            _references[cfg.problem_key] = pool.run(
-                "harness.pool.tasks:reference", (component.reference, cfg), cfg.mesh, seed=cfg.seed,
-                label=f"{cfg.id} (its reference)", extra_meshes=component.extra_meshes(cfg),
-                deadline=cell_deadline(pool, component))[0]
-        else:
+        check_config(cfg)
+        component = get(cfg.component)
+        if pool is None:
             _references[cfg.problem_key] = component.reference_result(cfg)
+        else:
+            _references[cfg.problem_key] = pool.reference(component.reference, cfg,
+                                                          extra_meshes=component.extra_meshes(cfg),
+                                                          deadline=cell_deadline(pool, component))
     return _references[cfg.problem_key]
 
 
@@ -79,7 +76,7 @@ def assemble_result(cfg: Config, pieces: dict[int, dict]) -> dict:
     return {name: assemble(name, {r: pieces[r][name] for r in pieces}, layout) for name in sorted(names)}
 
 
-def parity(cfg: Config, component: Component, assembled: dict, pool: Pool | None = None) -> tuple[Tolerances, Report]:
+def parity(cfg: Config, component: Component, assembled: dict, pool=None) -> tuple[Tolerances, Report]:
     """The assembled result against the reference (computed in ``pool`` if given), under the tolerance policy."""
     tol = Tolerances(cfg.dtype, component.reduction_size(cfg))
     omits = component.implementations[cfg.impl].omits
@@ -87,7 +84,7 @@ def parity(cfg: Config, component: Component, assembled: dict, pool: Pool | None
     return tol, compare(assembled, expected, tol)
 
 
-def run_pieces(cfg: Config, pool: Pool, component: Component) -> dict[int, dict] | None:
+def run_pieces(cfg: Config, pool, component: Component) -> dict[int, dict] | None:
     """Run the cell's implementation on the ranks of its mesh: each rank's named pieces.
 
     ``pool`` is the warm pool, or under torchrun this process's rank runner
@@ -106,7 +103,7 @@ def cell_deadline(pool, component: Component) -> float | None:
     return deadline * component.deadline_factor if deadline and component.deadline_factor != 1.0 else None
 
 
-def outcome_of(cfg: Config, component: Component, pieces: dict[int, dict], pool: Pool | None = None) -> CellOutcome:
+def outcome_of(cfg: Config, component: Component, pieces: dict[int, dict], pool=None) -> CellOutcome:
     """Every rank's pieces -> the logical result and its parity report against the reference
     (computed on ``pool``'s first rank when given: :func:`reference_for`)."""
     assembled = assemble_result(cfg, pieces)
@@ -115,31 +112,40 @@ def outcome_of(cfg: Config, component: Component, pieces: dict[int, dict], pool:
     return outcome
 
 
-def execute(cfg: Config, pool: Pool) -> CellOutcome:
+def execute(cfg: Config, pool) -> CellOutcome:
     """Run the cell in the pool and compare it with the reference, without judging: the outcome
     holds the parity report and the logical result whether or not they match."""
-    component = validate(cfg, pool.size)
+    check_config(cfg, pool.size)
+    component = get(cfg.component)
     return outcome_of(cfg, component, run_pieces(cfg, pool, component), pool)
 
 
-def run_cell(cfg: Config, pool: Pool, *, golden_dir: Path | None = None, update_golden: bool = False,
-             missing_golden: str = "write", rerun: str = "") -> CellOutcome:
+def run_cell(cfg: Config, pool, *, golden_dir: Path | None = None, update_golden: bool = False,
+             missing_golden: str = "write", rerun: str = "", diagnose: bool = True) -> CellOutcome:
     """Parity with the reference first (the gate), then the golden file (drift over time).
 
+    ``pool``: the warm pool, or under torchrun rank 0's runner (the same ``run``).
     ``missing_golden``: ``"write"`` records a missing golden from a run that matches the reference
     (the cell passes, ``golden_status`` says ``written``); ``"fail"`` fails the cell (CI).
-    ``rerun``: the command that reruns this cell, quoted in failure messages.
+    ``rerun``: the command that reruns this cell, quoted in failure messages. ``diagnose``: whether a
+    failing cell may be run again to say where it diverges (not for a declared divergence).
     """
     start = time.perf_counter()
     outcome = execute(cfg, pool)
+    diagnosis: Diagnosis = get(cfg.component).diagnosis(cfg, pool, outcome.parity, rerun=diagnose)
+    outcome.record = diagnosis.record
     reproduce = f"reproduce: {rerun}" if rerun else f"config: {cfg.id}"
     if not outcome.parity.ok:
-        explained = validate(cfg).explanation(cfg, pool, outcome.parity)
         raise Divergence(f"{cfg.id} diverges from the reference ({outcome.tol}):\n{outcome.parity.table()}\n"
-                         + (f"{explained}\n" if explained else "") + reproduce, outcome.parity)
+                         + (f"{diagnosis.text}\n" if diagnosis.text else "") + reproduce, outcome.parity,
+                         record=diagnosis.record)
     if golden_dir is not None:
-        check_golden(outcome, Path(golden_dir), update=update_golden, missing=missing_golden,
-                     backend=pool.backend, rerun=rerun)
+        try:
+            check_golden(outcome, Path(golden_dir), update=update_golden, missing=missing_golden,
+                         backend=pool.backend, rerun=rerun)
+        except Divergence as drift:
+            drift.record = outcome.record
+            raise
     outcome.seconds = time.perf_counter() - start
     return outcome
 

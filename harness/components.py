@@ -1,9 +1,9 @@
-"""The built-in components. Each mirrors reference/<name>.py and harness/parallel/<name>.py."""
-from dataclasses import replace
-
+"""The built-in components, as the table the registry reads (``BUILTIN``). Each component mirrors
+reference/<name>.py and harness/parallel/<name>.py; each whole model is harness/examples/<name>.py."""
 from reference.tp import OPS as TP_OPS
 
-from .registry import Component, Implementation, Space, register_component
+from .model.register import model_component
+from .registry import Component, Implementation, Space
 
 # The spaces exploration draws from (harness.explore): dims, size ranges and switch values the rules
 # then filter. Sizes are listed so that one a rule divides by another comes after it (pp: b after m).
@@ -17,7 +17,7 @@ from .registry import Component, Implementation, Space, register_component
 CKPT_LAYOUTS = ("fsdp1", "fsdp2", "fsdp3", "fsdp4", "fsdp8", "hsdp2x2", "hsdp2x4", "hsdp4x2", "fsdptp2x2",
                 "fsdptp4x2", "fsdptp2x3", "ours1", "ours2", "ours3", "ours4", "ours8", "ourshsdp2x2", "ourshsdp2x3")
 
-register_component(Component(
+TP = Component(
     name="tp",
     reference="reference.tp:reference",
     validate="harness.parallel.tp:validate",
@@ -33,9 +33,9 @@ register_component(Component(
         "megatron": Implementation("megatron", "harness.parallel.tp_megatron:run", skip="harness.parallel.thirdparty:megatron_skip",
                                    xfail="harness.parallel.thirdparty:megatron_xfail"),
     },
-))
+)
 
-register_component(Component(
+RINGATTN = Component(
     name="ringattn",
     reference="reference.ring_attention:reference",
     validate="harness.parallel.ring_attention:validate",
@@ -47,9 +47,9 @@ register_component(Component(
         "torch": Implementation("torch", "harness.parallel.ring_attention_torch:run",
                                 skip="harness.parallel.ring_attention_torch:skip_reason", omits=("lse",)),
     },
-))
+)
 
-register_component(Component(
+MOE = Component(
     name="moe",
     reference="reference.moe:reference",
     validate="harness.parallel.moe:validate",
@@ -65,9 +65,9 @@ register_component(Component(
         "hf": Implementation("hf", "harness.parallel.moe_hf:run", skip="harness.parallel.thirdparty:hf_moe_skip",
                              omits=("dropped",), xfail="harness.parallel.thirdparty:hf_moe_xfail"),
     },
-))
+)
 
-register_component(Component(
+FSDP = Component(
     name="fsdp",
     reference="reference.fsdp:reference",
     validate="harness.parallel.fsdp:validate",
@@ -77,9 +77,9 @@ register_component(Component(
         "ours": Implementation("ours", "harness.parallel.fsdp:run"),
         "fsdp2": Implementation("fsdp2", "harness.parallel.fsdp_torch:run", skip="harness.parallel.fsdp_torch:skip_reason"),
     },
-))
+)
 
-register_component(Component(
+PP = Component(
     name="pp",
     reference="reference.pipeline:reference",
     validate="harness.parallel.pipeline:validate",
@@ -92,9 +92,9 @@ register_component(Component(
         "ours": Implementation("ours", "harness.parallel.pipeline:run"),
         "torch": Implementation("torch", "harness.parallel.pipeline_torch:run", skip="harness.parallel.pipeline_torch:skip_reason"),
     },
-))
+)
 
-register_component(Component(
+CKPT = Component(
     name="ckpt",
     reference="reference.checkpoint:reference",
     validate="harness.parallel.checkpoint:validate",
@@ -105,17 +105,18 @@ register_component(Component(
     implementations={
         "dcp": Implementation("dcp", "harness.parallel.checkpoint:run"),
     },
-))
+)
 
 # ---- whole models (harness.model): harness/examples/<name>.py, each a ModelCase and its parallelize functions ----
-from .model.register import register_model  # noqa: E402  (after the registry is filled: no cycle)
-
-register_model("titan", "harness.examples.titan:CASE", impls=("titan", "interleaved"))
-# the project's own five components in one transformer (issue 20)
-# (ten steps of ~50 collectives each on 8 gloo ranks: up to ~40 s on a loaded 2-core machine)
-register_model("composed", "harness.examples.composed:CASE", impls=("composed", "manual"), deadline_factor=4.0)
+TITAN = model_component("titan", "harness.examples.titan:CASE", impls=("titan", "interleaved"))
+# the project's own five components in one transformer; ten steps of ~50 collectives each on 8 gloo
+# ranks take up to ~40 s on a loaded 2-core machine
+COMPOSED = model_component("composed", "harness.examples.composed.case:CASE", impls=("composed", "manual"),
+                           deadline_factor=4.0)
 # transformers' own models (pip install -e '.[thirdparty]'; without it their cells skip saying so)
-for _name, _case, _impls in (("llama", "harness.examples.llama_hf:CASE", ("tp", "fsdp", "tpfsdp")),
-                             ("qwen3moe", "harness.examples.qwen3moe_hf:CASE", ("ep",))):
-    _model = register_model(_name, _case, impls=_impls)
-    _model.implementations = {k: replace(i, skip="harness.examples.hf:skip") for k, i in _model.implementations.items()}
+LLAMA = model_component("llama", "harness.examples.llama_hf:CASE", impls=("tp", "fsdp", "tpfsdp"),
+                        skip="harness.examples.hf:skip")
+QWEN3MOE = model_component("qwen3moe", "harness.examples.qwen3moe_hf:CASE", impls=("ep",),
+                           skip="harness.examples.hf:skip")
+
+BUILTIN = [TP, RINGATTN, MOE, FSDP, PP, CKPT, TITAN, COMPOSED, LLAMA, QWEN3MOE]

@@ -41,9 +41,11 @@ class RankContext:
     # the task, whether it passed, failed or hung (checkpoints and other files a case writes).
     scratch: str = ""
     # Further meshes over the first ranks of the same world, declared by the component for this
-    # config (``Component.meshes``), e.g. a sparse expert mesh beside the dense one, or the layout a
-    # checkpoint is loaded under. Keyed by their dims, as ``(("dp", 2), ("ep", 2))``.
+    # config (``Component.meshes``): DeviceMeshes keyed by their dims, as ``(("w", 4),)`` (the
+    # layout a checkpoint is loaded under), and harness.meshes layouts keyed by their MeshSpec
+    # (a whole model's dense, sparse and flattened meshes).
     extra_meshes: dict = field(default_factory=dict)
+    spec_meshes: dict = field(default_factory=dict)
 
     def mesh(self, dims) -> "torch.distributed.device_mesh.DeviceMesh":
         """The cell's mesh, or a declared extra mesh by its dims (tuple of pairs or ``"dp=2,ep=2"``)."""
@@ -55,6 +57,14 @@ class RankContext:
         except KeyError:
             raise KeyError(f"mesh {key} was not declared for this config; declared: {sorted(self.extra_meshes)}; "
                            "return it from the component's meshes(cfg)") from None
+
+    def meshes_for(self, spec) -> "harness.meshes.device_mesh.Meshes":
+        """The meshes of a declared :class:`harness.meshes.MeshSpec` on this rank."""
+        try:
+            return self.spec_meshes[spec]
+        except KeyError:
+            raise KeyError(f"mesh spec {spec.id} was not declared for this config; declared: "
+                           f"{sorted(s.id for s in self.spec_meshes)}; return it from the component's meshes(cfg)") from None
 
     def group(self, name: str):
         """Process group of this rank's line along mesh dim ``name``."""

@@ -101,6 +101,12 @@ class MeshLayout:
         return cls(names, tuple(int(degrees.get(n, 1)) for n in names))
 
 
+def world_of(mesh) -> int:
+    """How many ranks a mesh spans: a dims tuple's product of degrees, or a ``MeshSpec``'s world."""
+    world = getattr(mesh, "world", None)
+    return int(world) if world is not None else math.prod(d for _, d in mesh)
+
+
 @dataclass(frozen=True)
 class Shard:
     """Tensor dim ``dim`` is split across a mesh dim.

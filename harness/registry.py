@@ -1,34 +1,34 @@
 """Components and their implementations, registered by name.
 
 A component names its single-process reference, its config rules and its reduction size; each
-implementation names a ``run(ctx, cfg) -> dict[str, Piece]`` by import path (``"module:function"``),
-which the rank processes import themselves. A user adds an implementation of their own from a
-``conftest.py``, without editing this project::
+implementation names a ``run(ctx, cfg) -> dict[str, Piece]`` by import path (``"module:function"``,
+:mod:`harness.paths`), which the rank processes import themselves. A user adds an implementation of
+their own from a ``conftest.py``, without editing this project::
 
     from harness.registry import register_implementation
     register_implementation("tp", "mine", "mypkg.tp_impl:run")
 
 and its cells are then ``Config("tp", "mine", ...)``, run by the same cases.
+
+The built-in components are the table ``harness.components:BUILTIN``, read on first use. A library
+registers its own on install with an entry point of the group ``paritytest.components`` naming a
+sequence of :class:`Component` values (``mylib.parity:COMPONENTS``) or a function that registers
+(``mylib.parity:register``, calling :func:`register_implementation`), read on first use too::
+
+    [project.entry-points."paritytest.components"]
+    mylib = "mylib.parity:register"
 """
 from __future__ import annotations
 
-import importlib
-import math
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 
 from .config import Config, ConfigError
+from .layout import world_of
+from .paths import load, modules
 
-
-def _load(path: str):
-    """Import ``"package.module:name"``; ``name`` may be dotted (``"mypkg.cases:CASE.run"``, a
-    model case's bound method), as the rank processes resolve it."""
-    module, sep, name = path.partition(":")
-    if not sep or not name:
-        raise ValueError(f"{path!r} is not of the form 'package.module:function'")
-    obj = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
+BUILTIN = "harness.components:BUILTIN"
+ENTRY_POINTS = "paritytest.components"
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,10 @@ class Implementation:
     validate: str | None = None
 
     def skip_reason(self, cfg: Config) -> str | None:
-        return _load(self.skip)(cfg) if self.skip else None
+        return load(self.skip)(cfg) if self.skip else None
 
     def xfail_reason(self, cfg: Config) -> str | None:
-        return _load(self.xfail)(cfg) if self.xfail else None
+        return load(self.xfail)(cfg) if self.xfail else None
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,15 @@ class Space:
 
 
 @dataclass
+class Diagnosis:
+    """What a component adds to a cell's verdict: ``text`` under a failing cell's table (where the
+    divergence starts), and ``record``, extras for the cell's junit property (``harness.report``)."""
+
+    text: str = ""
+    record: dict = field(default_factory=dict)
+
+
+@dataclass
 class Component:
     name: str
     reference: str  # "module:function", cfg -> dict[str, Tensor] of logical fp64 tensors
@@ -75,20 +84,23 @@ class Component:
     # result, or {tensor name: n} with "*" for the rest
     reduction: str
     implementations: dict[str, Implementation] = field(default_factory=dict)
-    # "module:function", cfg -> further meshes (tuples of (name, degree)) the cell uses besides
-    # cfg.mesh, e.g. the sparse expert mesh or the layout a checkpoint is loaded under
+    # "module:function", cfg -> the meshes the cell's ranks build besides cfg.mesh: a dims tuple
+    # ((name, degree), ...) for a DeviceMesh (the layout a checkpoint is loaded under), or a
+    # harness.meshes.MeshSpec for its dense, sparse and flattened meshes (a whole model's)
     meshes: str | None = None
     # For bisect: each switch's values, simplest first (a switch not named here is never changed).
     # Sizes are halved and mesh degrees lowered while the component's rules accept the config.
     simplest: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    # "module:function", (cfg, pool, report) -> text added under a failing cell's table (whole
-    # models: the first diverging module and parameter gradient), or ""
-    explain: str | None = None
+    # "module:function", (cfg, pool, report, rerun) -> Diagnosis: what a cell adds to its verdict;
+    # ``rerun`` says whether a failing cell may be run again to find where it diverges
+    diagnose: str | None = None
     # For exploration: the space its configs are drawn from (None: it cannot be explored yet)
     space: Space | None = None
     # A cell's deadline is --case-deadline times this (a whole model's ten steps on 8 gloo ranks of a
     # loaded 2-core machine outlast the 30 s a component cell gets)
     deadline_factor: float = 1.0
+    # a whole model's ModelCase ("module:CASE"); None for a component
+    case: str | None = None
 
     def switch_values(self) -> dict[str, tuple[str, ...]]:
         """Every value of every switch: ``simplest``'s order where it gives one, else ``space``'s."""
@@ -100,35 +112,57 @@ class Component:
                 f"{cfg.id}: no implementation {cfg.impl!r} of {self.name}; "
                 f"registered: {', '.join(sorted(self.implementations))}"
             )
-        _load(self.validate)(cfg)
+        load(self.validate)(cfg)
         own = self.implementations[cfg.impl].validate
         if own:
-            _load(own)(cfg)
+            load(own)(cfg)
 
-    def explanation(self, cfg: Config, pool, report) -> str:
-        """What the component adds under a failing cell's table (its ``explain``), never raising:
-        the failure itself is the verdict."""
-        if not self.explain:
-            return ""
+    def diagnosis(self, cfg: Config, pool, report, rerun: bool) -> Diagnosis:
+        """What the component adds to the verdict of ``cfg`` (its ``diagnose``), never raising: the
+        comparison itself is the verdict."""
+        if not self.diagnose:
+            return Diagnosis()
         try:
-            return _load(self.explain)(cfg, pool, report)
-        except Exception as error:  # noqa: BLE001  an explanation that fails must not hide the failure
-            return f"(no explanation: {type(error).__name__}: {error})"
+            return load(self.diagnose)(cfg, pool, report, rerun)
+        except Exception as error:  # noqa: BLE001  a diagnosis that fails must not hide the failure
+            return Diagnosis(f"(no diagnosis: {type(error).__name__}: {error})")
 
     def reference_result(self, cfg: Config):
-        return _load(self.reference)(cfg)
+        return load(self.reference)(cfg)
 
     def reduction_size(self, cfg: Config) -> int | dict[str, int]:
-        return _load(self.reduction)(cfg)
+        return load(self.reduction)(cfg)
 
     def extra_meshes(self, cfg: Config) -> tuple:
-        return tuple(_load(self.meshes)(cfg)) if self.meshes else ()
+        return tuple(load(self.meshes)(cfg)) if self.meshes else ()
 
 
 COMPONENTS: dict[str, Component] = {}
+_builtins_read = False
+
+
+def _read_builtins() -> None:
+    """The built-in table, then every installed library's (entry points), once per process."""
+    global _builtins_read
+    if _builtins_read:
+        return
+    _builtins_read = True
+    for component in load(BUILTIN):
+        COMPONENTS.setdefault(component.name, component)
+    for point in entry_points(group=ENTRY_POINTS):
+        found = point.load()
+        if isinstance(found, Component):
+            COMPONENTS.setdefault(found.name, found)
+        elif callable(found):
+            found()
+        else:
+            for component in found:
+                COMPONENTS.setdefault(component.name, component)
 
 
 def register_component(component: Component) -> Component:
+    """Add (or replace) ``component``."""
+    _read_builtins()
     COMPONENTS[component.name] = component
     return component
 
@@ -162,7 +196,7 @@ def unresolved() -> list[str]:
             if path is None:
                 continue
             try:
-                function = _load(path)
+                function = load(path)
             except Exception as error:  # noqa: BLE001  any import failure reads the same to the user
                 problems.append(f"implementation {component}/{name}: {what} path {path!r} does not resolve "
                                 f"({type(error).__name__}: {error}); fix register_implementation(..., {what}=...) "
@@ -174,19 +208,18 @@ def unresolved() -> list[str]:
 
 
 def get(name: str) -> Component:
-    from . import components  # noqa: F401  registers the built-in components
-
+    """The component registered as ``name``."""
+    _read_builtins()
     try:
         return COMPONENTS[name]
     except KeyError:
         raise ConfigError(f"unknown component {name!r}; registered: {', '.join(sorted(COMPONENTS))}") from None
 
 
-def modules(cfgs=None) -> list[str]:
+def preload_modules(cfgs=None) -> list[str]:
     """The modules a set of configs' components and implementations name (every registered one by
-    default), for the pool to preload before it forks its ranks."""
-    from . import components  # noqa: F401  registers the built-in components
-
+    default), for the pool to import before it forks its ranks."""
+    _read_builtins()
     wanted = None if cfgs is None else {(cfg.component, cfg.impl) for cfg in cfgs}
     paths = []
     for component in COMPONENTS.values():
@@ -197,15 +230,20 @@ def modules(cfgs=None) -> list[str]:
         paths += [component.meshes] if component.meshes else []
         for impl in impls:
             paths += [impl.run] + [p for p in (impl.skip, impl.xfail, impl.validate) if p]
-    return sorted({path.partition(":")[0] for path in paths})
+    return sorted({module for path in paths for module in modules(path)})
 
 
-def validate(cfg: Config, pool_size: int | None = None) -> Component:
-    """Every rule for ``cfg``, checked before any rank runs. Returns its component."""
-    component = get(cfg.component)
-    component.check(cfg)
+def ranks_needed(cfg: Config) -> int:
+    """How many ranks ``cfg`` needs: its mesh's, or the largest of the further meshes its component
+    declares for it (a checkpoint saved on more ranks than it is loaded on)."""
+    return max([cfg.world] + [world_of(mesh) for mesh in get(cfg.component).extra_meshes(cfg)])
+
+
+def check_config(cfg: Config, pool_size: int | None = None) -> None:
+    """Every rule for ``cfg``, checked before any rank runs: the component's and the
+    implementation's, and (given ``pool_size``) that the pool has the ranks it needs."""
+    get(cfg.component).check(cfg)
     if pool_size is not None:
-        need = max([cfg.world] + [math.prod(d for _, d in dims) for dims in component.extra_meshes(cfg)])
+        need = ranks_needed(cfg)
         if need > pool_size:
             raise ConfigError(f"{cfg.id}: needs {need} ranks but the pool has {pool_size}; pass --pool-size {need}")
-    return component

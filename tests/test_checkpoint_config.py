@@ -4,7 +4,7 @@ import re
 import pytest
 
 from harness.config import Config, ConfigError
-from harness.registry import validate
+from harness.registry import check_config
 from reference.checkpoint import SIZES
 
 
@@ -26,12 +26,12 @@ def cfg(save="fsdp2", load="fsdp4", world=4, dtype="fp32", **sizes):
 ])
 def test_rule(bad, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        validate(bad)
+        check_config(bad)
 
 
 def test_larger_world_than_the_pool_is_refused():
     with pytest.raises(ConfigError, match=re.escape("needs 8 ranks but the pool has 4; pass --pool-size 8")):
-        validate(cfg(load="hsdp2x4", world=8), pool_size=4)
+        check_config(cfg(load="hsdp2x4", world=8), pool_size=4)
 
 
 def test_every_case_cell_is_valid():
@@ -39,4 +39,4 @@ def test_every_case_cell_is_valid():
 
     assert len(CELLS) == len({c.id for c in CELLS}) == 99
     for c in CELLS:
-        validate(c, pool_size=8)
+        check_config(c, pool_size=8)

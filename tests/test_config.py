@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness.config import DTYPES, Config, ConfigError
-from harness.registry import validate
+from harness.registry import check_config
 
 names = st.text("abcdefghijklmnopqrstuvwxyz", min_size=1, max_size=6)
 values = st.text("abcdefghijklmnopqrstuvwxyz0123456789", min_size=1, max_size=8)
@@ -69,7 +69,7 @@ SIZES = dict(b=4, s=8, h=16, f=32, v=40)
 ])
 def test_invalid_tp_configs_are_rejected_before_any_rank_runs(mesh, sizes, switches, message):
     with pytest.raises(ConfigError, match=message):
-        validate(Config("tp", "ours", mesh, "fp32", sizes, switches))
+        check_config(Config("tp", "ours", mesh, "fp32", sizes, switches))
 
 
 RING = dict(b=2, s=24, h=16, q=4, d=4)
@@ -87,16 +87,16 @@ RING_SWITCHES = {"mask": "causal", "layout": "zigzag", "gqa": "on"}
 ])
 def test_invalid_ring_attention_configs_name_the_rule(mesh, sizes, switches, message):
     with pytest.raises(ConfigError, match=message):
-        validate(Config("ringattn", "ours", mesh, "fp32", sizes, switches))
+        check_config(Config("ringattn", "ours", mesh, "fp32", sizes, switches))
 
 
 def test_unknown_component_and_implementation():
     with pytest.raises(ConfigError, match="unknown component 'nope'"):
-        validate(Config("nope", "ours", {"tp": 1}, "fp32"))
+        check_config(Config("nope", "ours", {"tp": 1}, "fp32"))
     with pytest.raises(ConfigError, match="no implementation 'mine' of tp"):
-        validate(Config("tp", "mine", {"tp": 1}, "fp32", SIZES, {"op": "mlp"}))
+        check_config(Config("tp", "mine", {"tp": 1}, "fp32", SIZES, {"op": "mlp"}))
 
 
 def test_mesh_larger_than_pool_names_the_option():
     with pytest.raises(ConfigError, match="--pool-size 16"):
-        validate(Config("tp", "ours", {"dp": 2, "tp": 8}, "fp32", SIZES, {"op": "mlp"}), pool_size=8)
+        check_config(Config("tp", "ours", {"dp": 2, "tp": 8}, "fp32", SIZES, {"op": "mlp"}), pool_size=8)

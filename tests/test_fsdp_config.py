@@ -4,7 +4,7 @@ import pytest
 
 from cases.test_fsdp import CELLS
 from harness.config import Config, ConfigError
-from harness.registry import validate
+from harness.registry import check_config
 from reference.fsdp import SIZES
 
 GOOD = dict(SIZES, m=1)
@@ -29,11 +29,11 @@ GOOD = dict(SIZES, m=1)
 ])
 def test_invalid_fsdp_configs_name_the_rule(impl, mesh, dtype, sizes, message):
     with pytest.raises(ConfigError, match=message):
-        validate(Config("fsdp", impl, mesh, dtype, sizes))
+        check_config(Config("fsdp", impl, mesh, dtype, sizes))
 
 
 def test_the_fsdp_matrix_is_valid_and_large_enough():
     for cfg in CELLS:
-        validate(cfg, pool_size=8)
+        check_config(cfg, pool_size=8)
     assert len(CELLS) >= 50
     assert len({cfg.problem_key for cfg in CELLS}) == 4  # fp32/bf16 x m=1/3: four references for the lot

@@ -7,9 +7,9 @@ from torch.distributed.tensor import Shard as DShard
 from harness.config import Config, ConfigError
 from harness.layout import Shard
 from harness.model import ModelCase, model_cells, register_model
-from harness.model.pieces import placements_of
-from harness.model.runner import aliases, plain_activation
-from harness.registry import register_implementation, validate
+from harness.model.placement import placements_of, plain_activation
+from harness.model.train import aliases
+from harness.registry import register_implementation, check_config
 
 register_model("rules", "tests.model_handwritten:CASE")
 
@@ -31,13 +31,13 @@ def test_ids_name_model_impl_mesh_dtype_steps_and_parse_back():
 ])
 def test_invalid_model_cells_name_the_rule(mesh, switches, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        validate(Config("rules", "megatron", mesh, "fp32", {"steps": 1}, switches))
+        check_config(Config("rules", "megatron", mesh, "fp32", {"steps": 1}, switches))
 
 
 def test_an_implementation_declares_the_meshes_it_supports():
     case = ModelCase(build=torch.nn.Linear, batch=None, loss=None, parallelize={"tponly": None},
                      supports={"tponly": lambda spec: "a TP-only plan" if spec.dp > 1 else None})
-    from harness.model.rules import check_impl
+    from harness.model.plan import check_impl
 
     with pytest.raises(ConfigError, match="does not support this mesh: a TP-only plan"):
         check_impl(case, Config("rules", "tponly", {"dp": 2}, "fp32", {"steps": 1}))
@@ -48,8 +48,8 @@ def test_a_component_implementation_may_declare_its_own_rules():
     register_implementation("tp", "picky", "harness.parallel.tp:run", validate="tests.test_model_rules:only_tp2")
     cfg = Config("tp", "picky", {"tp": 4}, "fp32", dict(b=4, s=8, h=16, f=32, v=40), {"op": "mlp"})
     with pytest.raises(ConfigError, match="picky runs tp=2 only"):
-        validate(cfg)
-    validate(cfg.replace(mesh={"tp": 2}))
+        check_config(cfg)
+    check_config(cfg.replace(mesh={"tp": 2}))
 
 
 def only_tp2(cfg):
@@ -81,6 +81,8 @@ def test_dtensor_placements_map_to_the_cells_dims():
     assert placements_of(("tp",), (Partial(),), degrees) is None
     assert placements_of(("rep", "dp"), (Replicate(), DShard(0)), degrees) == {"dp": Shard(0)}
     assert placements_of(("ep",), (DShard(0),), {"dp": 2, "ep": 2}) is None  # the expert mesh: gathered
+    # ModelCase.placements may name harness.layout's Shard as well as torch's
+    assert placements_of(("tp",), (Shard(1),), degrees) == placements_of(("tp",), (DShard(1),), degrees)
 
 
 def test_a_plain_activation_is_placed_by_its_logical_shape():

@@ -5,7 +5,7 @@ import torch
 
 from harness.config import Config, ConfigError
 from harness.layout import MeshLayout, Piece, Shard, assemble, take
-from harness.registry import validate
+from harness.registry import check_config
 from reference.moe import SIZES, capacity, keep_mask, make_problem, moe
 
 OK = dict(emesh="dense", cap="100", score="softmax", norm="off", route="rand")
@@ -36,7 +36,7 @@ def cfg(mesh, e=8, k=2, **switches):
 ])
 def test_invalid_moe_configs_name_the_rule(config, message):
     with pytest.raises(ConfigError, match=message):
-        validate(config)
+        check_config(config)
 
 
 def test_matrix_cells_are_valid_and_many():
@@ -44,7 +44,7 @@ def test_matrix_cells_are_valid_and_many():
 
     assert len(CELLS) >= 80 and len({c.id for c in CELLS}) == len(CELLS)
     for c in CELLS:
-        validate(c, pool_size=8)
+        check_config(c, pool_size=8)
 
 
 def _routing(config):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from harness.config import Config, ConfigError
 from harness.layout import MeshLayout, Piece, Shard, assemble
 from harness.matrix import mesh
-from harness.registry import validate
+from harness.registry import check_config
 from harness.parallel import pipeline_schedule as ps
 from harness.parallel.pipeline_schedule import B, F, RB, RF, SF, Action, ScheduleError, build, simulate, table
 
@@ -35,7 +35,7 @@ def _index(actions, kind, stage, mb):
 def test_every_built_schedule_passes_the_simulator(name, pp, m, vs):
     vs = vs if name == "interleaved" else 1
     if name != "gpipe" and m < pp or name == "interleaved" and m % ps.rounds(pp, m):
-        return  # what validate() rejects for these schedules (tested below)
+        return  # what check_config() rejects for these schedules (tested below)
     sched = build(name, pp, m, vs)
     simulate(sched)
     for rank, actions in enumerate(sched.lists):  # each of the rank's stages runs F and B once per microbatch
@@ -181,11 +181,11 @@ def cfg(mesh_text="pp=2", sched="1f1b", tied="on", **sizes):
 ])
 def test_invalid_configs_name_the_rule(config, message):
     with pytest.raises(ConfigError, match=message):
-        validate(config)
+        check_config(config)
 
 
 def test_gpipe_accepts_fewer_microbatches_than_stages():
-    validate(cfg("pp=4", sched="gpipe", m=2, b=2))
+    check_config(cfg("pp=4", sched="gpipe", m=2, b=2))
 
 
 def test_a_schedule_the_simulator_rejects_fails_validation(monkeypatch):
@@ -199,7 +199,7 @@ def test_a_schedule_the_simulator_rejects_fails_validation(monkeypatch):
     monkeypatch.setitem(ps.BUILDERS, "broken", broken)
     monkeypatch.setitem(ps.VIRTUAL, "broken", "one")
     with pytest.raises(ConfigError, match=r"broken: rank 1 action 0: backward of stage 1 microbatch 0 comes before its forward"):
-        validate(cfg("pp=2", sched="broken"))
+        check_config(cfg("pp=2", sched="broken"))
 
 
 # ---- peers from the mesh, never from a table ------------------------------------------------------

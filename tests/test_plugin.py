@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from harness.matrix import cells
-from harness.plugin import quick_selection, rerun_command
+from harness.fixture import rerun_command
+from harness.selection import quick_selection
 from harness.report.junit import read
 from reference.tp import SIZES
 

@@ -1,4 +1,4 @@
-"""The pool's temporary directory goes, however the processes that own it die (issue 18).
+"""The pool's temporary directory goes, however the processes that own it die.
 
 A CI runner's timeout SIGKILLs pytest and its xdist workers while both cores are busy: the zygotes
 and ranks then die on their own, and whatever of the pool exits last must take its directory with
@@ -88,7 +88,7 @@ def user_env(tmpdir: Path) -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("stagger", [0.0, 6.0], ids=["together", "workers 6 s later"])
 def test_sigkill_of_pytest_and_its_workers_under_busy_cores_leaves_nothing(tmp_path, stagger):
-    """The issue's run: ``pytest -n 2`` over tp4 cells, both cores busy, pytest and its two workers
+    """A loaded run: ``pytest -n 2`` over tp4 cells, both cores busy, pytest and its two workers
     SIGKILLed after 3 cells. Every process of the run and every pool directory must go by themselves.
     ``stagger``: the workers' SIGKILL that much after pytest's; by then execnet has interrupted them
     (after 5 s without their controller) and they are tearing their pools down."""

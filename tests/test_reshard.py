@@ -6,7 +6,7 @@ import pytest
 from harness.cell import run_cell
 from harness.config import ConfigError
 from harness.model import model_cells, register_model
-from harness.registry import validate
+from harness.registry import check_config
 from tests.conftest import failure_of
 
 register_model("handtp", "tests.model_handtp:HANDTP")
@@ -35,4 +35,4 @@ def test_a_reshard_cell_that_cannot_run_is_invalid_with_the_rule(text, rule):
     from harness.config import Config
 
     with pytest.raises(ConfigError, match=rule):
-        validate(Config.parse(text))
+        check_config(Config.parse(text))

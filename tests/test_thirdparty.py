@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from harness.config import Config
-from harness.registry import Implementation, get, modules, register_implementation, unresolved
+from harness.registry import Implementation, get, preload_modules, register_implementation, unresolved
 from harness.parallel import thirdparty
 from reference.tp import SIZES
 
@@ -30,7 +30,7 @@ def test_the_thirdparty_implementations_are_registered_with_paths_that_resolve()
     for name in ("hf", "megatron"):
         impl = tp.implementations[name]
         assert impl.xfail and impl.skip
-        assert "harness.parallel.thirdparty" in modules([tp_cell(name)])  # preloaded like skip paths
+        assert "harness.parallel.thirdparty" in preload_modules([tp_cell(name)])  # preloaded like skip paths
 
 
 def test_an_unresolvable_xfail_path_is_named(monkeypatch):
@@ -135,7 +135,7 @@ def moe_cell(mesh="ep=2", emesh="dense", dtype="fp32", impl="hf", **switches) ->
 def test_moe_hf_is_registered_dropless_with_its_skips_and_divergences():
     impl = get("moe").implementations["hf"]
     assert impl.skip and impl.xfail and impl.omits == ("dropped",)
-    assert "harness.parallel.thirdparty" in modules([moe_cell()])
+    assert "harness.parallel.thirdparty" in preload_modules([moe_cell()])
 
 
 def test_moe_hf_imports_and_skips_without_transformers():

@@ -20,7 +20,8 @@ from ..compare.diff import Row, compare
 from ..config import Config
 from ..layout import AssemblyError, MeshLayout, assemble
 from ..pool.parent import Pool
-from ..registry import _load, validate
+from ..paths import load
+from ..registry import check_config, get
 from ..compare.tolerance import tolerance
 
 
@@ -30,7 +31,7 @@ def recorded_run(ctx, payload: tuple[str, Config]) -> dict:
     path, cfg = payload
     with events.recording() as log:
         try:
-            result, error = _load(path)(ctx, cfg), ""
+            result, error = load(path)(ctx, cfg), ""
         except Exception as raised:  # the events up to a crash still say where it went wrong
             result, error = None, f"{type(raised).__name__}: {raised}"
     return {"result": result, "events": log, "error": error}
@@ -126,7 +127,8 @@ class Localisation:
 def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
     """Record the reference's and the implementation's events for ``cfg`` and find the divergence.
     ``complete``: compare every event (kept in ``findings``) instead of stopping where it starts."""
-    component = validate(cfg, pool.size)
+    check_config(cfg, pool.size)
+    component = get(cfg.component)
     with events.recording() as log:
         component.reference_result(cfg)
     reference = _numbered(log)

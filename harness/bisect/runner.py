@@ -15,7 +15,7 @@ from ..compare.diff import compare
 from ..config import Config, ConfigError
 from ..layout import AssemblyError
 from ..pool.parent import CaseFailure, Pool, PoolError
-from ..registry import validate
+from ..registry import check_config, get
 from .shrink import Budget
 from .signature import Signature, of_report
 
@@ -60,7 +60,8 @@ class Trials:
 
     def _in_pool(self, cfg: Config) -> Trial:
         try:
-            component = validate(cfg, self.pool.size)
+            check_config(cfg, self.pool.size)
+            component = get(cfg.component)
         except ConfigError as error:
             return Trial(cfg, Signature("invalid", detail=str(error)), 0.0)
         reason = component.implementations[cfg.impl].skip_reason(cfg)

@@ -23,7 +23,7 @@ import math
 from hypothesis import strategies as st
 
 from ..config import Config, ConfigError
-from ..registry import Component, get, validate
+from ..registry import Component, check_config, get
 
 ATTEMPTS = 25  # drafts per drawn example before hypothesis is told the draw is invalid
 # Below 100 on purpose: hypothesis draws 1 integer in 20 from the literals of 100 or more (in
@@ -104,7 +104,8 @@ def runnable(cfg: Config, pool_size: int) -> str | None:
     """None when ``cfg`` can run here, else why not: the rule it breaks, its implementation's skip,
     or a divergence the implementation declares (``xfail``: known, so not worth finding again)."""
     try:
-        component = validate(cfg, pool_size)
+        check_config(cfg, pool_size)
+        component = get(cfg.component)
         impl = component.implementations[cfg.impl]
         known = impl.xfail_reason(cfg)
         return impl.skip_reason(cfg) or (f"declared divergence: {known}" if known else None)

@@ -301,7 +301,7 @@ def check(root: Path, golden_dir: Path, paths: list[str]) -> CheckResult:
 
 def _command(root: Path, nodeid: str) -> str:
     """The command that reruns a cell, as a failing cell's ``reproduce:`` line says it."""
-    from ..plugin import rerun_command
+    from ..fixture import rerun_command
 
     return rerun_command(SimpleNamespace(rootpath=root), nodeid)
 

@@ -13,9 +13,10 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-# Applied to every parameter by the default optimizer. eps is large on purpose (as in
-# reference.common.ADAMW): with eps=1e-8 the first AdamW step is lr*sign(g), so rounding noise in a
-# near-zero gradient would move a parameter by a full lr in one run and not in the other.
+# Applied to every parameter by the default optimizer. eps is large on purpose: with eps=1e-8 the
+# first AdamW step is lr*sign(g), so rounding noise in a near-zero gradient would move a parameter by
+# a full lr in one run and not in the other. lr is a model's usual order (a component's probe
+# problems take 0.05, reference.common.ADAMW, so that one step shows in bf16).
 ADAMW = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-3, weight_decay=0.01)
 
 MIXED_PRECISION = ("autocast", "bf16")
@@ -89,8 +90,9 @@ class ModelCase:
     * ``seq_dim``: the sequence dim of the batch tensors, split over ``cp`` (None: no cp).
     * ``placements``: for parameters that are plain tensors sharded by hand (Megatron-style), where
       each rank's piece sits: ``{"layers.*.fc1.weight": {"tp": Shard(0)}}`` (fnmatch patterns over
-      parameter names, mesh dims by their ``harness.meshes`` names, torch ``Shard``/``Replicate``).
-      Plain tensors not named are replicas, and the harness checks that every rank holds the same.
+      parameter names, mesh dims as :mod:`harness.names` names them, torch's ``Shard``/``Replicate``;
+      ``harness.layout.Shard`` is accepted too). Plain tensors not named are replicas, and the
+      harness checks that every rank holds the same.
     * ``reduction``: the tolerance policy's ``n`` for this model, when the derived one (README,
       Tolerances: the largest Linear fan-in or the tokens the loss averages) does not fit.
     * ``mixed_precision``: how bf16/fp16 cells run: ``"autocast"`` (fp32 parameters and optimizer,
@@ -128,53 +130,3 @@ class ModelCase:
             raise ValueError(f"ModelCase.mixed_precision={self.mixed_precision!r}: choose one of {MIXED_PRECISION}")
         if self.steps < 1:
             raise ValueError(f"ModelCase.steps={self.steps}: a model cell takes at least one optimizer step")
-
-    # ---- the Component's paths (register_model names these bound methods) -------------------------
-    def run(self, ctx, cfg):
-        """Rank task: train this rank's part of the cell; its pieces (harness.model.runner; a
-        ``reshard_<layout>`` cell: harness.model.reshard)."""
-        if "reshard" in dict(cfg.switches):
-            from .reshard import run as round_trip
-
-            return round_trip(self, ctx, cfg)
-        from .runner import run
-
-        return run(self, ctx, cfg)
-
-    def reference_result(self, cfg):
-        """The one-process fp64 result of the cell's problem (harness.model.reference)."""
-        from .reference import reference
-
-        return reference(self, cfg)
-
-    def check(self, cfg) -> None:
-        """The rules every model cell obeys (harness.model.rules)."""
-        from .rules import check
-
-        check(self, cfg)
-        if "reshard" in dict(cfg.switches):
-            from .reshard import check as check_reshard
-
-            check_reshard(self, cfg)
-
-    def check_impl(self, cfg) -> None:
-        """The configs ``cfg.impl`` supports (``supports``)."""
-        from .rules import check_impl
-
-        check_impl(self, cfg)
-
-    def reduction_size(self, cfg) -> int:
-        """The tolerance policy's ``n`` (``reduction``, or derived: harness.model.reference)."""
-        from .reference import reduction_size
-
-        return reduction_size(self, cfg)
-
-    def meshes(self, cfg) -> list:
-        """The harness.meshes layout the ranks build for ``parallelize`` (harness.model.rules)."""
-        from .rules import meshes
-
-        return meshes(cfg)
-
-    def xfail_reason(self, cfg) -> str | None:
-        known = self.xfail.get(cfg.impl)
-        return known(cfg) if known else None

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from ..layout import world_of
 from . import pooldir
 from .backend import resolve as resolve_backend
 
@@ -44,9 +45,9 @@ PRELOAD = ("harness.context", "harness.layout", "harness.config", "harness.pool.
 def default_preload(cfgs=None) -> tuple[str, ...]:
     """The harness's modules and the modules of the components and implementations ``cfgs`` use
     (every registered one when None)."""
-    from ..registry import modules
+    from ..registry import preload_modules
 
-    return PRELOAD + tuple(modules(cfgs))
+    return PRELOAD + tuple(preload_modules(cfgs))
 
 
 class PoolError(RuntimeError):
@@ -54,16 +55,16 @@ class PoolError(RuntimeError):
 
 
 def fitting(mesh, extra_meshes, size: int, short: str) -> tuple[int, tuple]:
-    """The world of ``mesh`` and the extra meshes as tuples of ``(name, degree)``; a
-    :class:`PoolError` when one needs more than ``size`` ranks (``short``: what there is and the fix,
-    a format string with ``{size}`` and ``{need}``)."""
-    extra = tuple(tuple((str(n), int(d)) for n, d in dims) for dims in extra_meshes)
-    for dims in (mesh, *extra):
-        need = math.prod(d for _, d in dims)
+    """The world of ``mesh``, and the extra meshes (dims tuples as tuples of ``(name, degree)``,
+    MeshSpecs as they are); a :class:`PoolError` when one needs more than ``size`` ranks (``short``:
+    what there is and the fix, a format string with ``{size}`` and ``{need}``)."""
+    extra = tuple(tuple((str(n), int(d)) for n, d in m) if isinstance(m, tuple) else m for m in extra_meshes)
+    for m in (mesh, *extra):
+        need = world_of(m)
         if need > size:
-            raise PoolError(f"mesh {dims} needs {need} ranks but {short.format(size=size, need=need)} "
+            raise PoolError(f"mesh {getattr(m, 'id', m)} needs {need} ranks but {short.format(size=size, need=need)} "
                             "or choose a smaller mesh")
-    return math.prod(d for _, d in mesh), extra
+    return world_of(mesh), extra
 
 
 @dataclass
@@ -132,6 +133,9 @@ def summarize_stack(text: str, root: str = "") -> tuple[str, str]:
 
 class Pool:
     """A warm pool of ``size`` rank processes. Thread-unsafe: one task at a time."""
+
+    # a failing cell can be run again, with its events recorded, to find where it diverges
+    can_rerun = True
 
     def __init__(self, size: int = DEFAULT_SIZE, backend: str = "auto", deadline: float = DEFAULT_DEADLINE,
                  start_timeout: float = 180.0, preload: tuple[str, ...] | None = None, keep: float = 0.0,
@@ -318,6 +322,15 @@ class Pool:
             self._built.add((mesh, extra))
         return self._task_in_scratch(fn, payload, mesh, extra, seed, world,
                                      self.deadline if deadline is None else deadline, label)
+
+    def reference(self, path: str, cfg, *, extra_meshes=(), deadline: float | None = None):
+        """``path(cfg)``, a cell's single-process reference, computed by the pool's first rank: a
+        rank paid torch's lazy imports before its fork (the optimizer step's ``torch._dynamo``, about
+        1 s), so this process never pays them, which is most of what one cell on a kept pool costs
+        beyond importing torch. The reference is plain single-process PyTorch in fp64, compared
+        under tolerance: where it runs changes the time, not the verdict."""
+        return self.run("harness.pool.tasks:reference", (path, cfg), cfg.mesh, seed=cfg.seed,
+                        label=f"{cfg.id} (its reference)", extra_meshes=extra_meshes, deadline=deadline)[0]
 
     def _task_in_scratch(self, fn: str, payload: Any, mesh: tuple, extra: tuple, seed: int, world: int,
                          deadline: float, label: str) -> dict[int, Any]:

@@ -173,15 +173,6 @@ def _send(conn: Connection, message) -> None:
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def resolve(path: str):
-    """Import ``"package.module:function"``."""
-    module, _, name = path.partition(":")
-    obj = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def seed_rank(seed: int, rank: int) -> None:
     """Private, deterministic global random state for this rank and task."""
     import torch
@@ -194,7 +185,9 @@ def seed_rank(seed: int, rank: int) -> None:
 
 
 def build_meshes(meshes: dict, wanted, backend: str) -> None:
-    """Create the DeviceMesh of every dims tuple in ``wanted`` that ``meshes`` lacks, and cache it.
+    """Build every mesh of ``wanted`` that ``meshes`` lacks, and cache it by its description: a dims
+    tuple becomes a ``DeviceMesh``, a :class:`harness.meshes.MeshSpec` its ``Meshes`` (dense, sparse
+    and flattened).
 
     Collective: every rank of the default process group must call it with the same ``wanted``, the
     ranks outside a (smaller) mesh included, because each DeviceMesh makes its groups with
@@ -205,28 +198,21 @@ def build_meshes(meshes: dict, wanted, backend: str) -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
     from ..layout import MeshLayout
+    from ..meshes.device_mesh import MeshSpec
     from .backend import device_type
 
-    for dims in wanted:
-        if dims in meshes:
+    for mesh in wanted:
+        if mesh in meshes:
             continue
-        spec = layout_of(dims)
-        if spec is not None:  # a model cell's harness.meshes layout
-            meshes[dims] = model_meshes(spec, backend)
+        if isinstance(mesh, MeshSpec):
+            meshes[mesh] = spec_meshes(mesh, backend)
         else:
-            shape = MeshLayout.of(dims)
+            shape = MeshLayout.of(mesh)
             ranks = torch.arange(shape.world).view(shape.shape)
-            meshes[dims] = DeviceMesh(device_type(backend), ranks, mesh_dim_names=shape.names)
+            meshes[mesh] = DeviceMesh(device_type(backend), ranks, mesh_dim_names=shape.names)
 
 
-def layout_of(dims):
-    """The :class:`harness.meshes.MeshSpec` an extra mesh stands for (a model cell's), or None."""
-    from ..model.rules import from_marker
-
-    return from_marker(dims)
-
-
-def model_meshes(spec, backend: str):
+def spec_meshes(spec, backend: str):
     """Every rank builds the dense, sparse and flattened meshes of ``spec``, laid as side-by-side
     copies over the whole world (the groups are made over it; a rank beyond the cell's world
     holds a copy and stays idle)."""
@@ -242,6 +228,18 @@ def model_meshes(spec, backend: str):
     return build(spec, device_type(backend), copies=world // spec.world)
 
 
+def context(rank: int, mesh, extra, meshes: dict, device, backend: str, scratch: str):
+    """The :class:`harness.context.RankContext` of a task on ``mesh`` with the ``extra`` meshes,
+    from this rank's built meshes."""
+    from ..context import RankContext
+    from ..layout import MeshLayout
+    from ..meshes.device_mesh import MeshSpec
+
+    return RankContext(rank, MeshLayout.of(mesh), meshes[mesh], device, backend, scratch,
+                       {m: meshes[m] for m in extra if not isinstance(m, MeshSpec)},
+                       {m: meshes[m] for m in extra if isinstance(m, MeshSpec)})
+
+
 def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
     # the zygote's handler is not the rank's: a SIGTERM ends a rank, and only the rank
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -255,8 +253,8 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from ..context import RankContext
     from ..layout import MeshLayout
+    from ..paths import load
     from .backend import rank_device
     from .groups import share_groups
 
@@ -286,10 +284,9 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
                 _send(conn, ("idle", task, rank, None))
                 continue
             if path not in functions:
-                functions[path] = resolve(path)
+                functions[path] = load(path)
             seed_rank(seed, rank)
-            ctx = RankContext(rank, layout, meshes[mesh], device, backend, scratch,
-                              {dims: meshes[dims] for dims in extra})
+            ctx = context(rank, mesh, extra, meshes, device, backend, scratch)
             result = functions[path](ctx, payload)
             _send(conn, ("ok", task, rank, result))
         except BaseException:  # noqa: BLE001  every failure goes back to the parent, with its traceback

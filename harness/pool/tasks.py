@@ -17,10 +17,10 @@ def reference(ctx: RankContext, payload):
     return None. Plain PyTorch: no collective, no group."""
     if ctx.rank != 0:
         return None
-    from .rank import resolve
+    from ..paths import load
 
     path, cfg = payload
-    return resolve(path)(cfg)
+    return load(path)(cfg)
 
 
 def describe_mesh(ctx: RankContext, payload):

@@ -1,6 +1,6 @@
 """Read pytest's junit XML back into one record per test, with the cell's ``parity`` property.
 
-The plugin records one JSON user property per cell (``harness.plugin.cell_record``): its
+The plugin records one JSON user property per cell (``harness.fixture.cell_record``): its
 coordinates in the matrix (component, impl, mesh, dtype, switches) and its outcome (status, kind,
 worst err/tol, tensor, norm ratio, golden status, seconds). pytest writes it into the XML as
 ``<property name="parity" value="{json}"/>``; everything the reports show comes from there and from
@@ -15,7 +15,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..plugin import PROPERTY
+from ..fixture import PROPERTY
 from ..versions import PROPERTY as VERSIONS
 from ..versions import Library, from_json
 

@@ -42,6 +42,9 @@ POLL = 0.02
 class RankRunner:
     """This rank's runner of cells: the pool's interface, in-process."""
 
+    # the other ranks run each cell once, so a failing cell is not run again to localise it
+    can_rerun = False
+
     def __init__(self, session: Session, scratch_root: str | None = None):
         self.session = session
         self.rank, self.size, self.backend = session.rank, session.world, session.backend
@@ -71,9 +74,8 @@ class RankRunner:
         record), else ``"all"``. Raises :class:`CaseFailure` on the gathering ranks when a
         rank raised; a rank that hangs ends the attempt (see the module docstring).
         """
-        from ..context import RankContext
-        from ..layout import MeshLayout
-        from ..pool.rank import build_meshes, resolve, seed_rank
+        from ..paths import load
+        from ..pool.rank import build_meshes, context, seed_rank
 
         if gather is None:
             gather = "first" if self._current and self._current.get("record") is not None else "all"
@@ -101,10 +103,9 @@ class RankRunner:
         if self.rank < world:
             try:
                 if fn not in self._functions:
-                    self._functions[fn] = resolve(fn)
+                    self._functions[fn] = load(fn)
                 seed_rank(seed, self.rank)
-                ctx = RankContext(self.rank, MeshLayout.of(mesh), self._meshes[mesh], self.session.device,
-                                  self.backend, scratch, {dims: self._meshes[dims] for dims in extra})
+                ctx = context(self.rank, mesh, extra, self._meshes, self.session.device, self.backend, scratch)
                 out = ("ok", self._functions[fn](ctx, payload))
             except BaseException:  # noqa: BLE001  goes to rank 0 with its traceback, as in the pool
                 out = ("raised", traceback.format_exc())
@@ -119,6 +120,12 @@ class RankRunner:
         finally:
             if gather == "all":
                 self.watchdog.disarm()
+
+    def reference(self, path: str, cfg, **_):
+        """``path(cfg)``, a cell's single-process reference, in this process (rank 0 judges)."""
+        from ..paths import load
+
+        return load(path)(cfg)
 
     def _publish(self, out: tuple) -> None:
         try:

@@ -1,0 +1,141 @@
+"""The ``parity`` fixture's callable: one cell, checked and recorded.
+
+``parity(cfg)`` checks the config's rules, skips what the implementation cannot run here, marks a
+declared divergence as strict xfail, runs the cell (:func:`harness.cell.run_cell`, in the warm pool;
+under torchrun on every rank, :func:`harness.torchrun.plugin.on_ranks`) and fails with its table.
+Each cell leaves one JSON property in the junit XML (:func:`cell_record`): what ``harness.report``
+and the run's summary read.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .config import Config, ConfigError
+
+PROPERTY = "parity"
+
+
+def cell_record(cfg: Config) -> dict:
+    """What the plugin records of a cell (the ``parity`` user property, JSON): its coordinates in
+    the matrix, then its outcome, filled in as the cell runs."""
+    return {"cell": cfg.id, "component": cfg.component, "impl": cfg.impl,
+            "mesh": ".".join(f"{k}{v}" for k, v in cfg.mesh), "dtype": cfg.dtype, "switches": dict(cfg.switches),
+            "status": "failed", "kind": "", "ratio": 0.0, "tensor": "", "norm_ratio": 1.0, "golden": "",
+            "moved": "", "seconds": 0.0}
+
+
+def worst(report) -> dict:
+    """The worst tensor of a comparison: its err/tol ratio, name and norm ratio."""
+    rows = report.rows if report else []
+    if not rows:
+        return {}
+    row = max(rows, key=lambda r: r.ratio)
+    return {"ratio": row.ratio, "tensor": row.tensor, "norm_ratio": row.norm_ratio}
+
+
+def rerun_command(config, nodeid: str) -> str:
+    """The command that reruns one test exactly: this interpreter, from the rootdir, by node id."""
+    python = sys.executable
+    here = Path.cwd()
+    try:
+        python = os.path.relpath(python, here) if Path(python).is_relative_to(here) else python
+    except ValueError:
+        pass
+    command = f"{shlex.quote(python)} -m pytest {shlex.quote(nodeid)}"
+    root = Path(config.rootpath)
+    if root.resolve() != here.resolve():
+        command = f"cd {shlex.quote(str(root))} && {command}"
+    return command
+
+
+class CellCheck:
+    """``parity(cfg)`` for one test: runs the cell through ``pool`` (the warm pool, or under torchrun
+    this rank's runner, ``runner``)."""
+
+    def __init__(self, request, pool, runner=None):
+        self.request, self.pool, self.runner = request, pool, runner
+        self.config = request.config
+        self.nodeid = request.node.nodeid
+        self.golden_dir = Path(self.config.getoption("--golden-dir") or self.config.rootpath / "golden")
+
+    def __call__(self, cfg: Config):
+        record = cell_record(cfg)
+        try:
+            return self._checked(cfg, record)
+        finally:  # one JSON property per cell, in the junit XML too: what harness.report reads
+            self.request.node.user_properties.append((PROPERTY, json.dumps(record, sort_keys=True)))
+
+    def _checked(self, cfg: Config, record: dict):
+        from .registry import check_config, get, ranks_needed
+
+        start = time.perf_counter()
+        outcome = None
+        try:
+            check_config(cfg, None if self.runner else self.pool.size)
+            component = get(cfg.component)
+            need = ranks_needed(cfg)
+        except ConfigError as error:
+            failure, record["kind"] = f"invalid config: {error}", "invalid"
+        else:
+            impl = component.implementations[cfg.impl]
+            reason = impl.skip_reason(cfg)
+            if reason is None and self.runner is not None and need > self.runner.size:
+                reason = (f"needs {need} ranks and this torchrun job has {self.runner.size}: launch at least {need} "
+                          "(--nnodes x --nproc-per-node)")
+            if reason:
+                record["status"] = "skipped"
+                pytest.skip(reason)
+            known = impl.xfail_reason(cfg)
+            if known:  # runs in full: a divergence is the expected outcome, a match means upstream changed
+                record["expected"] = known
+                self.request.applymarker(pytest.mark.xfail(
+                    strict=True, reason=f"known divergence of {cfg.impl}: {known}. If this cell passes (XPASS), "
+                                        f"the upstream behaviour changed: remove its entry from {impl.xfail}"))
+            if self.runner is None:
+                failure, outcome = self.judge(cfg, self.pool, record, start)
+            else:
+                from .torchrun.plugin import on_ranks
+
+                failure, outcome = on_ranks(self, cfg, component, self.runner, record, start)
+        record["seconds"] = record.get("seconds") or round(time.perf_counter() - start, 4)
+        if failure is not None:  # outside the except block: the report shows our message, no chain
+            pytest.fail(failure, pytrace=False)
+        return outcome
+
+    def judge(self, cfg: Config, pool, record: dict, start: float):
+        """Run the cell through ``pool`` (the warm pool, or rank 0's runner) and judge it: the failure
+        text or None, and the outcome; the record is filled in either way."""
+        from .cell import Divergence, run_cell
+        from .golden.store import GoldenError
+        from .layout import AssemblyError
+        from .pool.parent import CaseFailure, PoolError
+
+        opt = self.config.getoption
+        rerun = rerun_command(self.config, self.nodeid)
+        try:
+            # a declared divergence (strict xfail) does not pay for the re-run that localises it
+            outcome = run_cell(cfg, pool, golden_dir=self.golden_dir, update_golden=opt("--update-golden"),
+                               missing_golden="fail" if opt("--strict-golden") else "write", rerun=rerun,
+                               diagnose="expected" not in record)
+        except Divergence as error:
+            record["kind"] = error.kind
+            record.update(worst(error.report), **error.record)
+            return str(error), None
+        except (CaseFailure, AssemblyError) as error:  # a hang or crash reruns the same way a mismatch does
+            record["kind"] = getattr(error, "kind", type(error).__name__)
+            return f"{error}\nreproduce: {rerun}", None
+        except (GoldenError, PoolError) as error:
+            record["kind"] = type(error).__name__
+            return str(error), None
+        finally:
+            record["seconds"] = round(time.perf_counter() - start, 4)
+        record.update(worst(outcome.parity), status="passed", golden=outcome.golden_status, moved=outcome.moved,
+                      **outcome.record)
+        return None, outcome

@@ -1,0 +1,136 @@
+"""A rank's tensors as :class:`harness.layout.Piece` objects, placed on the cell's mesh.
+
+* a DTensor: its placements on its mesh, on the cell's dims (a flattened dim such as ``fsdp`` =
+  dp·cp is the one of its dims with a degree above 1). The local shard itself goes back, so a wrong
+  shard is reported with the ranks that hold it. Placements a Piece cannot describe (``Partial``,
+  FSDP2's strided shards under TP, a flattened dim over two non-trivial dims, the expert mesh) fall
+  back to ``full_tensor()``, a replica on every rank;
+* a plain parameter: the placements the case declares for its name (``ModelCase.placements``),
+  else a replica (the parent checks that every rank holds the same values);
+* a plain activation (events only): this rank's rows of the batch and, on a dim short of the
+  logical shape by a factor tp, a tensor-parallel shard.
+
+:func:`piece_of` decides from placements and shapes alone, never from a rank's own data, so every
+rank of a mesh takes the same path and the fallback's collective is entered by all of them.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Shard as DShard
+
+from ..layout import Piece, Shard
+from ..names import DENSE, FLATTENED
+
+
+def _cell_dims(name: str, degrees: dict[str, int]) -> list[str] | None:
+    """The cell-mesh dims of degree above 1 that a mesh dim named ``name`` spans; None: unknown."""
+    dims = FLATTENED.get(name, (name,))
+    if any(d not in DENSE for d in dims):
+        return None
+    return [d for d in dims if degrees.get(d, 1) > 1]
+
+
+def placements_of(names, placements, degrees: dict[str, int]) -> dict[str, Shard] | None:
+    """Mesh dim names and placements (torch's, or ``harness.layout.Shard``) -> Piece placements on
+    the cell's dims, or None when a Piece cannot describe them."""
+    out: dict[str, Shard] = {}
+    last = {}  # tensor dim -> position in the cell's order of the last dim that sharded it
+    for name, placement in zip(names, placements):
+        if isinstance(placement, Replicate):
+            continue
+        if isinstance(placement, Shard):
+            placement = DShard(placement.dim)
+        if type(placement) is not DShard:  # Partial, _StridedShard, ...
+            return None
+        dims = _cell_dims(name, degrees)
+        if dims is None or len(dims) > 1:
+            return None
+        if not dims:
+            continue
+        dim = dims[0]
+        if dim in out:
+            return None
+        position = DENSE.index(dim)
+        if last.get(placement.dim, -1) > position:  # nested shards must apply in the cell's order
+            return None
+        last[placement.dim] = position
+        out[dim] = Shard(placement.dim)
+    return out
+
+
+def declared_placements(name: str, patterns: dict[str, dict], degrees: dict[str, int]) -> dict[str, Shard]:
+    """The placements ``ModelCase.placements`` declares for the plain tensor ``name`` (empty: a replica)."""
+    for pattern, by_dim in patterns.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            found = placements_of(list(by_dim), list(by_dim.values()), degrees)
+            if found is None:
+                raise ValueError(f"ModelCase.placements[{pattern!r}] = {by_dim}: give Shard(d) or Replicate() "
+                                 f"per mesh dim ({', '.join(DENSE)}), e.g. {{'tp': Shard(0)}}")
+            return found
+    return {}
+
+
+def piece_of(tensor: torch.Tensor, degrees: dict[str, int], plain: dict[str, Shard] | None = None,
+             *, gather: bool = True) -> Piece | None:
+    """``tensor`` as this rank's Piece. ``plain``: the placements of a plain tensor. ``gather``:
+    whether an undescribable DTensor may be gathered (a collective); else None is returned."""
+    if isinstance(tensor, DTensor):
+        placements = placements_of(tensor.device_mesh.mesh_dim_names or (), tensor.placements, degrees)
+        if placements is None:
+            if not gather:
+                return None
+            return Piece.full(tensor.full_tensor().detach().clone())
+        return Piece(tensor.to_local().detach().cpu().clone(), tuple(tensor.shape), placements)
+    if not plain:
+        return Piece.full(tensor.detach().clone())
+    shape = list(tensor.shape)
+    for dim, shard in plain.items():  # declared shards are even: the logical size is local x degree
+        shape[shard.dim] *= degrees[dim]
+    return Piece(tensor.detach().cpu().clone(), tuple(shape), dict(plain))
+
+
+def in_order(placements: dict[str, Shard]) -> dict[str, Shard]:
+    """Placements sorted in the cell mesh's order, the order nested shards of a tensor dim apply in."""
+    return dict(sorted(placements.items(), key=lambda item: DENSE.index(item[0])))
+
+
+def plain_activation(tensor: torch.Tensor, degrees: dict[str, int], batch: dict[str, Shard],
+                     logical: tuple[int, ...] | None) -> Piece | None:
+    """A plain activation's piece: this rank's rows of the batch, and, on a dim still short of the
+    logical shape by a factor tp, a tensor-parallel shard (a colwise layer's local output, a
+    sequence-parallel region); None when the shape says neither."""
+    if logical is None or len(logical) != tensor.dim():
+        return None
+    placements = {d: s for d, s in batch.items() if s.dim < tensor.dim()}
+    for d in range(tensor.dim()):
+        held = tensor.shape[d] * math.prod(degrees[n] for n, s in placements.items() if s.dim == d)
+        if held == logical[d]:
+            continue
+        if held * degrees.get("tp", 1) != logical[d] or "tp" in placements:
+            return None
+        placements["tp"] = Shard(d)
+    return Piece(tensor.detach().cpu().clone(), tuple(logical), in_order(placements))
+
+
+def activation(tensor: torch.Tensor, degrees: dict[str, int], batch: dict[str, Shard],
+               logical: tuple[int, ...] | None = None) -> Piece | None:
+    """An activation's piece: its DTensor placements (if any) plus the batch dims its mesh does not
+    name (a tensor-parallel activation is still this rank's rows of the batch)."""
+    if not isinstance(tensor, DTensor):
+        return plain_activation(tensor, degrees, batch, logical)
+    piece = piece_of(tensor, degrees, gather=False)
+    if piece is None:
+        return None
+    named = set(tensor.device_mesh.mesh_dim_names or ())
+    shape = list(piece.shape)
+    for dim, shard in batch.items():
+        if dim not in named and dim not in piece.placements:
+            piece.placements[dim] = shard
+            shape[shard.dim] *= degrees[dim]
+    piece.shape = tuple(shape)
+    piece.placements = in_order(piece.placements)
+    return piece

@@ -1,0 +1,232 @@
+"""What a whole model's :class:`harness.registry.Component` names: each entry point takes the case
+first and is bound to it by path (``"harness.model.tasks:run[mypkg.cases:CASE]"``,
+:mod:`harness.paths`), so the rank processes import the case as they import an implementation.
+
+``run`` is the rank task (a reshard cell's: its round trip); ``reference`` the one-process fp64
+result; ``check``, ``check_impl``, ``reduction_size``, ``meshes`` and ``xfail`` the cell's plan and
+tolerance, as a component declares them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from .. import events
+from ..config import Config
+from ..context import RankContext
+from ..layout import MeshLayout, Piece, Shard, piece_index
+from ..names import parse
+from . import plan
+from .batches import global_batch, start_model
+from .case import ModelCase
+from .hooks import Recorder, logical_shapes
+from .placement import activation, declared_placements, piece_of
+from .train import OneProcess, OnRank, Trainer, state_of
+
+
+# ---- the rank task ----------------------------------------------------------------------------------
+def run(case: ModelCase, ctx: RankContext, cfg: Config) -> dict[str, Piece]:
+    """This rank's part of the cell; an exception raised inside a module names the module."""
+    trip = plan.reshard_of(cfg)
+    if trip is not None:
+        return round_trip(case, ctx, cfg, trip)
+    trainer = OnRank(case, ctx, cfg)
+    try:
+        return _train(trainer, case, cfg)
+    except Exception as error:
+        where = crashed_in(error, trainer.modules)
+        if where is None:
+            raise
+        first = str(error).splitlines()[0] if str(error) else ""
+        raise ModuleError(f"in module {where}: {type(error).__name__}: {first}") from error
+
+
+def _train(trainer: OnRank, case: ModelCase, cfg: Config) -> dict[str, Piece]:
+    trainer.recorder = _recorder(trainer, case, cfg) if events.active() else None
+    pieces: dict[str, Piece] = {}
+    losses = trainer.train(range(cfg.size("steps")), lambda grads: pieces.update(placed(trainer, grads)))
+    if trainer.recorder is not None:
+        trainer.recorder.remove()
+    return {name: Piece.full(loss) for name, loss in losses.items()} | pieces \
+        | placed(trainer, state_of(trainer.params, trainer.optimizer))
+
+
+def _recorder(trainer: OnRank, case: ModelCase, cfg: Config) -> Recorder:
+    """Hooks on every submodule recording its events (bisect, a failing cell's diagnosis)."""
+    batch_dims = {d: Shard(0) for d in ("rep", "dp") if trainer.degrees.get(d, 1) > 1}
+    if case.seq_dim is not None and trainer.degrees.get("cp", 1) > 1:
+        batch_dims["cp"] = Shard(case.seq_dim)
+    whole = start_model(case, cfg)
+    shapes = logical_shapes(whole, lambda: case.forward(whole, global_batch(case, 0)))
+    s = trainer.spec
+    # a pipeline's activations are per microbatch: their rows are no slice of the global batch
+    # (a microbatch's rows could pass for a tp shard by their shape), so only parameters are named
+    return Recorder(trainer.modules, lambda t, module, name: None if trainer.pipelined else activation(
+        t, trainer.degrees, batch_dims, shapes.get((module, name))), grad_scale=1.0 / (s.rep * s.dp * s.cp))
+
+
+def placed(trainer: OnRank, tensors: dict[str, torch.Tensor]) -> dict[str, Piece]:
+    """A rank's named parameter tensors (gradients, values, optimizer state) as pieces on the cell's
+    mesh: DTensors by their placements, plain ones as ``ModelCase.placements`` declares."""
+    local = {}
+    for name, tensor in tensors.items():
+        plain = None if isinstance(tensor, DTensor) else \
+            declared_placements(parse(name).param, trainer.case.placements, trainer.degrees)
+        local[name] = piece_of(tensor, trainer.degrees, plain)
+    return _over_stages(trainer, local) if trainer.spec.pp > 1 else local
+
+
+def _over_stages(trainer: OnRank, local: dict[str, Piece]) -> dict[str, Piece]:
+    """Every name any stage holds, on every rank: held on the pp coordinates that hold it
+    (``Shard(0, on=...)``), an empty piece elsewhere."""
+    held = [None] * trainer.spec.pp
+    mine = {n: (pc.shape, pc.placements, pc.tensor.dtype) for n, pc in local.items()}
+    dist.all_gather_object(held, (trainer.ctx.coord("pp"), mine), group=trainer.meshes.group("pp"))
+    layout = MeshLayout.of(trainer.cfg.mesh)
+    out = {}
+    for name in sorted({n for _, names in held for n in names}):
+        coords = tuple(sorted(c for c, names in held if name in names))
+        shape, placements, dtype = next(names[name] for _, names in held if name in names)
+        piece = Piece(local[name].tensor if name in local else None, shape, dict(placements, pp=Shard(0, on=coords)))
+        if name not in local:
+            size = tuple(len(i) for i in piece_index(piece, layout, trainer.ctx.rank))
+            piece.tensor = torch.zeros(size, dtype=dtype)
+        out[name] = piece
+    return out
+
+
+class ModuleError(RuntimeError):
+    """A rank's exception, with the innermost module of the model it was raised in."""
+
+
+def crashed_in(error: BaseException, modules: list[nn.Module]) -> str | None:
+    """The qualified name of the innermost module of ``modules`` whose ``forward`` (or a function
+    it called) raised ``error``: read from the traceback's frames, so it costs nothing until then."""
+    names = {id(m): name for root in modules for name, m in root.named_modules() if name}
+    found, tb = None, error.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in names:
+            found = names[id(owner)]
+        tb = tb.tb_next
+    return found
+
+
+# ---- the reshard round trip ---------------------------------------------------------------------------
+def round_trip(case: ModelCase, ctx: RankContext, cfg: Config, trip: plan.Reshard) -> dict[str, Piece]:
+    """Train to the save step, save with DCP over the cell's ranks, load under the load layout (or
+    on rank 0 alone) and train to the end; the results are those of the run that never stopped, the
+    reloaded state as full tensors (so the two layouts' placements never need to agree)."""
+    path = os.path.join(ctx.scratch, "checkpoint")
+    saver = OnRank(case, ctx, cfg)
+    pieces: dict[str, Piece] = {}
+    losses = saver.train(range(trip.save_step), lambda grads: pieces.update(placed(saver, grads)))
+    pieces |= {name: Piece.full(loss) for name, loss in losses.items()}
+    cell = ctx.mesh(plan.ranks_of(cfg.world)).get_group()  # the cell's ranks (the pool may have more)
+    model_sd, optim_sd = get_state_dict(saver.modules[0], saver.optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=cell)
+    dist.barrier(group=cell)  # every shard is on disk before any rank reads
+
+    rest = range(trip.save_step, cfg.size("steps"))
+    result = None
+    if trip.load is None:
+        if ctx.rank == 0:
+            try:  # a checkpoint that does not load must fail the cell, not leave the others waiting
+                whole = OneProcess(case, cfg, reference=False)
+                _load(whole.model, whole.optimizer, path, None)
+                result = _resumed(whole, rest)
+            except BaseException as error:  # noqa: BLE001  (DCP raises CheckpointException, a BaseException)
+                result = f"{type(error).__name__}: {error}"
+    elif ctx.rank < trip.load.world:
+        loader = OnRank(case, dataclasses.replace(ctx, layout=MeshLayout.of(trip.load.mesh)), trip.load)
+        _load(loader.modules[0], loader.optimizer, path, ctx.mesh(plan.ranks_of(trip.load.world)).get_group())
+        result = _resumed(loader, rest)
+    box = [result]
+    dist.broadcast_object_list(box, group=cell, group_src=0)  # rank 0's results on every rank of the cell
+    if isinstance(box[0], str):
+        raise RuntimeError(f"{cfg.id}: the checkpoint saved on {cfg.mesh} did not load on one process: {box[0]}")
+    return pieces | {name: Piece.full(t) for name, t in box[0].items()}
+
+
+def _load(model: nn.Module, optimizer, path: str, group) -> None:
+    """Load model and optimizer state saved by DCP (``group`` None: this process alone)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    if group is None:
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    else:
+        dcp.load(state, checkpoint_id=path, process_group=group)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _resumed(trainer: Trainer, steps: range) -> dict[str, torch.Tensor]:
+    """The remaining steps' losses and the final state as full tensors (a collective for DTensors)."""
+    losses = {name: loss.cpu() for name, loss in trainer.train(steps).items()}
+    return losses | {name: _full(t) for name, t in state_of(trainer.params, trainer.optimizer).items()}
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu().clone()
+
+
+# ---- the plan, the reference, the tolerance ---------------------------------------------------------
+def reference(case: ModelCase, cfg: Config) -> dict[str, torch.Tensor]:
+    """``loss/step<k>``, ``grad/<p>`` (step 1), ``param/<p>`` and ``opt/<state>/<p>`` (after the last
+    step) of the same model on one process in fp64, trained on the whole global batch of every step."""
+    trainer = OneProcess(case, cfg)
+    trainer.recorder = Recorder([trainer.model]) if events.active() else None
+    result: dict[str, torch.Tensor] = {}
+    result |= trainer.train(range(cfg.size("steps")),
+                            lambda grads: result.update({n: g.detach().clone() for n, g in grads.items()}))
+    if trainer.recorder is not None:
+        trainer.recorder.remove()
+    return result | {name: t.detach().clone() for name, t in state_of(trainer.params, trainer.optimizer).items()}
+
+
+def check(case: ModelCase, cfg: Config) -> None:
+    """The rules every model cell obeys (:func:`harness.model.plan.check`)."""
+    plan.check(case, cfg)
+
+
+def check_impl(case: ModelCase, cfg: Config) -> None:
+    """The meshes ``cfg.impl`` supports (``ModelCase.supports``)."""
+    plan.check_impl(case, cfg)
+
+
+def meshes(case: ModelCase, cfg: Config) -> list:
+    """What the ranks build besides the cell's mesh (:func:`harness.model.plan.meshes`)."""
+    return plan.meshes(cfg)
+
+
+def xfail(case: ModelCase, cfg: Config) -> str | None:
+    """Why ``cfg`` is known to diverge upstream (``ModelCase.xfail``), or None."""
+    known = case.xfail.get(cfg.impl)
+    return known(cfg) if known else None
+
+
+_sizes: dict[tuple, int] = {}
+
+
+def reduction_size(case: ModelCase, cfg: Config) -> int:
+    """The ``n`` of the tolerance policy for a model: ``case.reduction`` when given, else the larger
+    of the largest fan-in of any ``nn.Linear`` (the terms a forward dot product adds) and the
+    tokens of a global batch (the terms a parameter's gradient and a mean loss add: the elements of
+    ``batch["input"]`` for integer ids, its rows times sequence otherwise, i.e. all dims but the last)."""
+    if case.reduction is not None:
+        return int(case.reduction)
+    key = (cfg.component, cfg.seed)
+    if key not in _sizes:
+        model = start_model(case, cfg)
+        fan_in = max((m.in_features for m in model.modules() if isinstance(m, nn.Linear)), default=1)
+        batch = global_batch(case, 0)
+        first = batch.get("input", next(iter(batch.values())))
+        tokens = first.numel() if not first.is_floating_point() else first.numel() // max(1, first.shape[-1])
+        _sizes[key] = max(fan_in, tokens)
+    return _sizes[key]

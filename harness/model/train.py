@@ -1,0 +1,203 @@
+"""One training loop for a model cell, and the two kinds of trainer it drives.
+
+:meth:`Trainer.train` is the loop: batch, forward, loss, backward, the step's loss, the gradients of
+step 1, the optimizer step. :class:`OnRank` runs it on a rank of the cell's mesh, on the model
+``parallelize`` made (the parallel run, and both halves of a reshard round trip);
+:class:`OneProcess` runs it on the whole model in one process: the fp64 reference, and the model a
+``reshard_one`` cell resumes. :func:`state_of` names what a trainer ends with.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..compare.tolerance import TORCH_DTYPE
+from ..config import Config
+from ..context import RankContext
+from ..names import grad_name, loss_name, param_name, state_name
+from .batches import as_dtype, global_batch, local_batch, start_model
+from .case import ModelCase, Pipelined
+from .plan import mesh_spec
+
+
+def autocast(case: ModelCase, cfg: Config, device: torch.device):
+    """The forward's context: autocast to the cell's dtype for ``mixed_precision="autocast"``."""
+    if cfg.dtype in ("bf16", "fp16") and case.mixed_precision == "autocast":
+        return torch.autocast(device.type, dtype=TORCH_DTYPE[cfg.dtype])
+    return contextlib.nullcontext()
+
+
+def scalar(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain fp64 scalar (a replicated DTensor from loss_parallel included)."""
+    loss = loss.detach()
+    return (loss.full_tensor() if isinstance(loss, DTensor) else loss).double().reshape(())
+
+
+def aliases(model: nn.Module) -> dict[str, str]:
+    """Every parameter name (tied ones included) -> the name the reference reports it under."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
+
+
+def gradients_of(params: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``grad/<p>`` of every parameter (zeros where backward left none)."""
+    return {grad_name(n): p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params}
+
+
+def state_of(params: list[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """``param/<p>`` of every parameter and ``opt/<key>/<p>`` of its optimizer state of its shape."""
+    out = {}
+    for name, p in params:
+        out[param_name(name)] = p.detach()
+        for key, value in sorted(optimizer.state.get(p, {}).items()):
+            if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                out[state_name(key, name)] = value
+    return out
+
+
+class Trainer:
+    """Parameters under the reference's names, their optimizer, and how one step runs."""
+
+    params: list[tuple[str, torch.Tensor]]
+    optimizer: torch.optim.Optimizer
+    recorder = None  # harness.model.hooks.Recorder while events are recorded: told each step
+
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward, loss, backward; the global loss as an fp64 scalar."""
+        raise NotImplementedError
+
+    def before_optimizer(self) -> None:
+        """Between backward and the optimizer step."""
+
+    def train(self, steps: range, first_gradients: Callable[[dict[str, torch.Tensor]], None] | None = None
+              ) -> dict[str, torch.Tensor]:
+        """Take ``steps`` (0-based); each step's loss by name. ``first_gradients`` is handed the
+        gradients of step 1 when ``steps`` holds it, before the optimizer step."""
+        losses = {}
+        for step in steps:
+            if self.recorder is not None:
+                self.recorder.step = step + 1
+            losses[loss_name(step + 1)] = self.step(self.batch(step))
+            self.before_optimizer()
+            if step == 0 and first_gradients is not None:
+                first_gradients(gradients_of(self.params))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return losses
+
+
+class OneProcess(Trainer):
+    """The whole model on one process, trained on the whole global batch: in fp64 without autocast
+    (``reference``), or as the cell starts it, on fp32 batches under the cell's autocast (a model a
+    reshard cell resumes whole)."""
+
+    def __init__(self, case: ModelCase, cfg: Config, reference: bool = True):
+        self.case, self.cfg, self.reference = case, cfg, reference
+        self.model = start_model(case, cfg)
+        if reference:
+            self.model = self.model.double()
+        self.params = list(self.model.named_parameters())  # tied parameters under their first name
+        self.optimizer = case.optimizer([p for _, p in self.params])
+
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        return as_dtype(global_batch(self.case, step), torch.float64 if self.reference else torch.float32)
+
+    def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with contextlib.nullcontext() if self.reference else autocast(self.case, self.cfg, torch.device("cpu")):
+            loss = self.case.loss(self.case.forward(self.model, batch), batch)
+        loss.backward()
+        return scalar(loss)
+
+
+class OnRank(Trainer):
+    """This rank's part of the cell: the model ``parallelize[cfg.impl]`` made from the seeded start,
+    on the cell's meshes, trained on this rank's slice of every global batch."""
+
+    def __init__(self, case: ModelCase, ctx: RankContext, cfg: Config):
+        self.case, self.ctx, self.cfg = case, ctx, cfg
+        self.spec = mesh_spec(cfg)
+        self.meshes = ctx.meshes_for(self.spec)
+        self.degrees = dict(cfg.mesh)
+        model = start_model(case, cfg).to(ctx.device)
+        self.alias = aliases(model)
+        made = case.parallelize[cfg.impl](model, self.meshes)
+        self.pipelined = made if isinstance(made, Pipelined) else None
+        if self.pipelined is None and not isinstance(made, nn.Module):
+            raise TypeError(f"parallelize[{cfg.impl!r}] returned {type(made).__name__}: return the module, "
+                            "or harness.model.Pipelined(stages, schedule) for a pipelined model")
+        self.modules = self.pipelined.modules if self.pipelined else [made]
+        self.params = self._params()
+        self.optimizer = case.optimizer([p for _, p in self.params])
+
+    def _params(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the reference's names, sorted (every rank of a stage's mesh
+        visits them in the same order: the fallback gather is a collective)."""
+        seen, out = set(), []
+        for module in self.modules:
+            for name, p in module.named_parameters(remove_duplicate=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if name not in self.alias:
+                    raise KeyError(f"parallelize[{self.cfg.impl!r}] made a parameter {name!r} the model does not "
+                                   "have: keep the model's parameter names (wrap, shard or delete modules in place)")
+                out.append((self.alias[name], p))
+        return sorted(out, key=lambda item: item[0])
+
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        ctx, s = self.ctx, self.spec
+        data = (s.rep * s.dp, ctx.coord("rep") * s.dp + ctx.coord("dp"))
+        local = local_batch(global_batch(self.case, step), self.case.seq_dim, data, (s.cp, ctx.coord("cp")))
+        dtype = TORCH_DTYPE[self.cfg.dtype] if self.case.mixed_precision == "bf16" and self.cfg.dtype != "fp32" \
+            else torch.float32
+        return {k: t.to(ctx.device) for k, t in as_dtype(local, dtype).items()}
+
+    def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = self._pipeline_step(batch) if self.pipelined else self._local_step(batch)
+        group = self.meshes.group("loss")  # each rank's loss is a mean over its own tokens
+        dist.all_reduce(loss, group=group)
+        return loss / dist.get_world_size(group)
+
+    def _local_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with autocast(self.case, self.cfg, self.ctx.device):
+            output = self.case.forward(self.modules[0], batch)
+        parallel_loss = isinstance(output, DTensor) or (isinstance(output, tuple) and any(
+            isinstance(o, DTensor) for o in output))
+        with _loss_parallel() if parallel_loss else contextlib.nullcontext():
+            with autocast(self.case, self.cfg, self.ctx.device):
+                loss = self.case.loss(output, batch)
+            loss.backward()
+        return scalar(loss)
+
+    def _pipeline_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        p = self.pipelined
+        first = any(stage.is_first for stage in p.stages)
+        last = any(stage.is_last for stage in p.stages)
+        losses: list[torch.Tensor] = []
+        args = (batch[p.input],) if first else ()
+        with autocast(self.case, self.cfg, self.ctx.device):
+            p.schedule.step(*args, target=batch[p.target] if last else None, losses=losses if last else None)
+        loss = torch.stack([scalar(x) for x in losses]).mean() if last else torch.zeros((), dtype=torch.float64)
+        dist.all_reduce(loss, group=self.meshes.group("pp"))  # the last stage's, on every stage
+        return loss
+
+    def before_optimizer(self) -> None:
+        if self.pipelined and self.pipelined.before_step:
+            self.pipelined.before_step()
+
+
+def _loss_parallel():
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()

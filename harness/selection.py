@@ -1,0 +1,77 @@
+"""Which cells a run selects: ``--quick``'s few cells, and the line that says a ``-k`` left none.
+
+Both read the cells from collected items by their ``cfg`` parameter (:func:`cell_config`).
+"""
+from __future__ import annotations
+
+import shlex
+from collections import defaultdict
+
+import pytest
+
+from .config import ID_SHAPE, Config
+
+DESELECTED_CELL = pytest.StashKey[str]()  # the id of a cell some deselection dropped: an example
+NO_CELL = pytest.StashKey[str]()  # the line that says -k matched no cell
+NO_CELL_KEY = "parity_no_cell"  # the same line, from an xdist worker to the controller
+
+
+def cell_config(item) -> Config | None:
+    """The config a collected test runs as a cell (its ``cfg`` parameter), or None."""
+    callspec = getattr(item, "callspec", None)
+    cfg = callspec.params.get("cfg") if callspec else None
+    return cfg if isinstance(cfg, Config) else None
+
+
+def quick_selection(cfgs: list[Config]) -> set[Config]:
+    """Per (component, implementation): cells on the smallest mesh world above one (or the only
+    world there is), picked in order until every such mesh, dtype and switch value appears once.
+    Small, yet every component, implementation, dtype and switch value is exercised."""
+    worlds: dict[tuple[str, str], set[int]] = defaultdict(set)
+    for cfg in cfgs:
+        worlds[cfg.component, cfg.impl].add(cfg.world)
+    smallest = {key: min([w for w in ws if w > 1] or ws) for key, ws in worlds.items()}
+    keep, seen = set(), set()
+    for cfg in cfgs:
+        key = (cfg.component, cfg.impl)
+        if cfg.world != smallest[key]:
+            continue
+        features = {(key, "mesh", cfg.mesh), (key, "dtype", cfg.dtype)} | {(key, k, v) for k, v in cfg.switches}
+        if features - seen:
+            keep.add(cfg)
+            seen |= features
+    return keep
+
+
+def select_quick(config, items) -> None:
+    """``--quick``: the :func:`quick_selection` cells, and no other test that needs the rank pool
+    (the mesh-layout checks); the rest deselected."""
+    keep = quick_selection([cfg for cfg in map(cell_config, items) if cfg is not None])
+    selected, deselected = [], []
+    for item in items:
+        cfg = cell_config(item)
+        wanted = cfg in keep if cfg is not None else "rank_pool" not in getattr(item, "fixturenames", ())
+        (selected if wanted else deselected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
+
+
+def remember_deselected(items) -> None:
+    """Keep the id of a deselected cell: the example the no-cell line shows."""
+    cfg = next((c for c in map(cell_config, items) if c is not None), None)
+    if cfg is not None:
+        items[0].config.stash.setdefault(DESELECTED_CELL, cfg.id)
+
+
+def no_cell_matched(config, items) -> str | None:
+    """One line when ``-k`` left nothing of what was collected, cells among it: the expression, and
+    what an id looks like with a real one. The exit status stays pytest's 5 ("no tests ran"): the
+    command line is valid, and CI scripts that run shards tell an empty selection from a usage error
+    (4) by it. A ``-k`` that selects other tests only (``-k under_torchrun``) meant them: no line."""
+    example = config.stash.get(DESELECTED_CELL, None)
+    keyword = config.getoption("keyword", "")
+    if not keyword or example is None or items:
+        return None
+    return (f"no cell matched -k {shlex.quote(keyword)}; an id looks like {ID_SHAPE}, e.g. {example} "
+            "(-k matches pieces of it: -k 'tp2 and bf16')")

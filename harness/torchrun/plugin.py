@@ -1,0 +1,183 @@
+"""The pytest side of torchrun mode: a plugin of its own, registered by :mod:`harness.plugin` only
+when the launcher's environment is present (its earliest hook, before the conftests load).
+
+* ranks other than 0 write their pytest output to ``--rank-logs`` (N copies of one report would
+  bury rank 0's), and make their ``tmp_path`` directories in places of their own;
+* at configure: refuse xdist, leave the junit XML to rank 0, join the job's process group;
+* after collection: check every rank collected the same tests, resume a restarted job;
+* each cell: every rank runs its part, rank 0 judges and shares the verdict (:func:`on_ranks`).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import traceback
+
+import pytest
+
+# what torchrun sets for every worker (RANK..MASTER_PORT is the env:// contract)
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+RUNNER = pytest.StashKey()  # this rank's harness.torchrun.runner.RankRunner
+_LOG = pytest.StashKey()  # a rank other than 0: the file its output goes to
+_OWN_LOG_DIR = pytest.StashKey()  # the default --rank-logs directory, which the harness made
+
+
+def launched_by_torchrun() -> bool:
+    """True when this pytest process is a rank of a torchrun job (or given the same environment)."""
+    return all(os.environ.get(name) for name in TORCHRUN_ENV)
+
+
+def runner_of(config):
+    """This rank's :class:`harness.torchrun.runner.RankRunner` under torchrun, else None."""
+    return config.stash.get(RUNNER, None)
+
+
+class TorchrunPlugin:
+    """The hooks of torchrun mode (see the module docstring)."""
+
+    def __init__(self):
+        self.quiet_stderr: int | None = None  # a rank other than 0: the launcher's stderr, for its closing line
+        self.launcher_stderr: int | None = None  # every rank: the launcher's stderr, whatever capture does to fd 2
+
+    def redirect_output(self, early_config) -> None:
+        """Ranks other than 0 write to a log file of their own; done before pytest's capture takes
+        the file descriptors, so that capture (and the terminal reporter) write into the log."""
+        # the launcher's stderr, kept before pytest's capture replaces fd 2: a rank that exits for a
+        # restart in the middle of a test still gets its failure text out there
+        self.launcher_stderr = os.dup(2)
+        if os.environ["RANK"] == "0":
+            return
+        where = getattr(early_config.known_args_namespace, "rank_logs", None) or os.path.join(
+            tempfile.gettempdir(),
+            f"paritytest-torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}-{os.environ['MASTER_PORT']}")
+        os.makedirs(where, exist_ok=True)
+        path = os.path.join(where, f"rank{os.environ['RANK']}.log")
+        log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)  # appended: restarts add to it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.quiet_stderr = os.dup(2)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        early_config.stash[_LOG] = path
+        if not getattr(early_config.known_args_namespace, "rank_logs", None):
+            early_config.stash[_OWN_LOG_DIR] = where  # ours to remove when it has nothing to read
+
+    def pytest_configure(self, config):
+        """Refuse xdist, leave the junit XML to rank 0 (before junitxml configures), give the other
+        ranks temp directories of their own, join the job's process group."""
+        if config.option.help or config.option.version:
+            return
+        workers = getattr(config.option, "numprocesses", None)  # xdist's -n (0 or None: no workers)
+        if workers:
+            raise pytest.UsageError(f"-n {workers}: xdist cannot run under torchrun: each pytest process is already "
+                                    "one rank (torchrun --nproc-per-node sets how many); drop -n")
+        if os.environ["RANK"] != "0":
+            config.option.xmlpath = None  # one report per job, rank 0's: the verdicts are the same on every rank
+            own_temp(config)
+        from .runner import start
+
+        runner = start(config.getoption("--backend"), config.getoption("--case-deadline"), self.launcher_stderr)
+        config.stash[RUNNER] = runner
+        complete = runner.finished_before()
+        if complete is not None:  # torchrun restarted a job whose every test is judged: same status again
+            pytest.exit(f"[torchrun] this job finished in an earlier attempt with exit status {complete}", complete)
+
+    def pytest_collection_finish(self, session):
+        """Every rank collected the same tests (else stop, naming the first difference); resume a
+        restarted job where the last attempt stopped."""
+        from .session import CollectionMismatch
+
+        runner = runner_of(session.config)
+        try:
+            runner.session.check_collection([item.nodeid for item in session.items])
+        except CollectionMismatch as error:
+            raise pytest.UsageError(str(error)) from None
+        runner.recover()
+
+    def pytest_runtest_setup(self, item):
+        runner_of(item.config).enter(item.nodeid)
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        runner = runner_of(session.config)
+        if runner is None:
+            return
+        runner.finish(int(exitstatus))
+        stash = session.config.stash
+        if runner.rank != 0 and runner.own_failures and self.quiet_stderr is not None:
+            env = runner.session.env
+            os.write(self.quiet_stderr, (f"rank {env.rank} (host {env.host}, local rank {env.local_rank}): its part "
+                                         f"raised or hung in {runner.own_failures} cell(s); its pytest output: "
+                                         f"{stash.get(_LOG, '?')}\n").encode())
+        elif runner.rank != 0 and _OWN_LOG_DIR in stash:
+            # nothing on this rank to read: its log, and the default directory once empty, go
+            with contextlib.suppress(OSError):
+                os.remove(stash[_LOG])
+                os.rmdir(stash[_OWN_LOG_DIR])
+
+
+def own_temp(config) -> None:
+    """A rank other than 0 makes its ``tmp_path`` directories in places of its own: under
+    ``<temp dir>/pytest-of-<user>/paritytest-rank<N>`` (pytest's ``PYTEST_DEBUG_TEMPROOT``, unless
+    the user set it), or in ``<basetemp>-rank<N>`` when ``--basetemp`` is given. Set before pytest's
+    tmpdir plugin reads the option; the root is read lazily.
+
+    The N pytest processes of a job would otherwise share ``pytest-of-<user>``, and they end at the
+    same moment (the verdict reaches them together). At its end each pytest removes the dead
+    symlinks of that directory (``pytest-current``, dead once a passing session removed its
+    basetemp under ``tmp_path_retention_policy = "failed"``) with an unlink that fails when another
+    process got there first: FileNotFoundError from ``cleanup_dead_symlinks``, and that rank exits 1
+    after its tests passed. A shared ``--basetemp`` is worse: pytest empties it at its start, so the
+    ranks empty each other's. Rank 0 keeps pytest's usual place, or the basetemp as given, where a
+    user looks for it; pytest's numbering and retention apply per rank, across jobs, as they do for
+    one pytest."""
+    rank = os.environ["RANK"]
+    if config.option.basetemp:
+        config.option.basetemp = f"{os.path.normpath(config.option.basetemp)}-rank{rank}"
+        return
+    if os.environ.get("PYTEST_DEBUG_TEMPROOT"):
+        return
+    import getpass
+
+    try:
+        user = getpass.getuser()
+    except (ImportError, OSError, KeyError):
+        user = "unknown"
+    root = os.path.join(tempfile.gettempdir(), f"pytest-of-{user}", f"paritytest-rank{rank}")
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+    except OSError:
+        return  # pytest's own place then, as without torchrun
+    os.environ["PYTEST_DEBUG_TEMPROOT"] = root
+
+
+def on_ranks(check, cfg, component, runner, record: dict, start: float):
+    """A cell under torchrun: every rank runs its part; rank 0 judges (``check.judge``) and shares
+    the verdict, which the other ranks adopt (record included), so every rank reports the same
+    outcome. A cell an earlier attempt of this job judged is not run again: its verdict is replayed.
+    Returns the failure text or None, and the outcome (rank 0's)."""
+    from ..cell import run_pieces
+
+    nodeid = check.nodeid
+    verdict = runner.recorded(nodeid)
+    if verdict is None:
+        runner.begin(nodeid, record)
+        if runner.rank == 0:
+            try:
+                failure, outcome = check.judge(cfg, runner, record, start)
+            except BaseException as error:  # not the cell's failure but ours: the others must hear too
+                record["kind"] = type(error).__name__
+                runner.share_verdict(f"{cfg.id}: the harness failed on rank 0 while judging the cell:\n"
+                                     f"{traceback.format_exc()}", record)
+                raise
+            runner.share_verdict(failure, record)
+            return failure, outcome
+        try:
+            run_pieces(cfg, runner, component)
+        finally:  # whatever happened here, the cell's verdict is rank 0's
+            verdict = runner.await_verdict()
+    record.clear()
+    record.update(verdict["record"])
+    return verdict["failure"], None
