@@ -6,6 +6,9 @@ speedup is a ratio against the baseline run right here):
 * pool start: a fresh pool of 8 ranks, from nothing to every rank joined;
 * first case: the TP MLP cell as the first case on each of those fresh pools (what the first cell
   of every pytest worker, and the cell after a hang, costs), beside the warm figure;
+* a cell after a cell of another world size: the TP MLP cell (tp=4) each time right after the same
+  cell at tp=2, so that its ranks make a new world (default group, meshes) first
+  (:mod:`harness.world`), beside the warm figure;
 * empty case round trip at world 2, 4 and 8;
 * one representative cell per component (``CELLS``: the TP MLP cell at tp=4, ring attention at
   cp=4, MoE at ep=4 (ours and transformers'), ...): run, assemble, compare with the cached reference;
@@ -35,7 +38,6 @@ import time
 
 from .cell import assemble_result, parity, run_cell
 from .config import Config
-from .layout import MeshLayout
 from .pool.parent import Pool
 from .registry import check_config, get
 from reference.checkpoint import SIZES as CKPT_SIZES
@@ -135,20 +137,18 @@ def _spawned_rank(rank: int, world: int, store_path: str, cfg: Config, out) -> N
     import torch
     import torch.distributed as dist
 
-    from .context import RankContext
-    from .pool.rank import build_meshes, resolve
+    from .paths import load
+    from .pool.rank import build_meshes, context
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
-    layout = MeshLayout.of(cfg.mesh)
     check_config(cfg)
     component = get(cfg.component)
-    extra = tuple(tuple(dims) for dims in component.extra_meshes(cfg))
+    extra = tuple(component.extra_meshes(cfg))
     meshes: dict = {}
     build_meshes(meshes, (cfg.mesh, *extra), "gloo")
-    context = RankContext(rank, layout, meshes[cfg.mesh], torch.device("cpu"), "gloo",
-                          extra_meshes={dims: meshes[dims] for dims in extra})
-    pieces = resolve(component.implementations[cfg.impl].run)(context, cfg)
+    ctx = context(rank, cfg.mesh, extra, meshes, torch.device("cpu"), "gloo", "")
+    pieces = load(component.implementations[cfg.impl].run)(ctx, cfg)
     out.send_bytes(pickle.dumps(pieces))  # plain pickle, as the pool sends results
     dist.destroy_process_group()
 
@@ -220,6 +220,11 @@ def main(argv=None) -> dict:
             continue
         run_cell(cfg, pool)  # warm: reference computed, groups cached, modules imported
         cell_ms[name] = _median_ms(lambda: run_cell(cfg, pool), cell_repeats)
+    other = TP_MLP.replace(mesh={"tp": 2})
+    after_other = []
+    for _ in range(cell_repeats):
+        run_cell(other, pool)
+        after_other.append(_median_ms(lambda: run_cell(TP_MLP, pool), 1))
     pool.close()
     tp_ms = cell_ms["tp_mlp_tp4"]
     spawn = [_median_ms(lambda: spawn_per_test(TP_MLP), 1) / 1e3 for _ in range(args.starts)]
@@ -230,6 +235,8 @@ def main(argv=None) -> dict:
         "first_case_ms": round(statistics.median(firsts), 2),
         "empty_case_ms": {k: round(v, 3) for k, v in empty.items()},
         "cell_ms": {name: round(ms, 2) for name, ms in cell_ms.items()},
+        "cell_after_other_world_ms": round(statistics.median(after_other), 2),
+        "other_world_over_warm": round(statistics.median(after_other) / tp_ms, 2),
         "spawn_per_test_s": round(statistics.median(spawn), 3),
         "speedup_vs_spawn": round(statistics.median(spawn) * 1e3 / tp_ms, 1),
         "model_spawn_per_test_s": round(statistics.median(model_spawn), 3),
@@ -245,6 +252,8 @@ def main(argv=None) -> dict:
         say(f"empty case, world {world}       {ms:8.2f} ms  median of {args.repeats}")
     for name, ms in cell_ms.items():
         say(f"cell {name:<20} {ms:8.2f} ms  run + assemble + compare, median of {cell_repeats}: {CELLS[name].id}")
+    say(f"tp_mlp_tp4 after a tp2 cell {figures['cell_after_other_world_ms']:6.2f} ms  median of {cell_repeats}, "
+        f"{figures['other_world_over_warm']:.2f}x the warm cell: a new world (default group, meshes) first")
     say(f"spawn-per-test, same cell {figures['spawn_per_test_s']:8.2f} s   median of {args.starts}")
     say(f"speedup per case          {figures['speedup_vs_spawn']:8.1f} x")
     say(f"spawn-per-test, model     {figures['model_spawn_per_test_s']:8.2f} s   median of {args.starts}: "

@@ -20,6 +20,7 @@ from ..compare.tolerance import TORCH_DTYPE
 from ..config import Config
 from ..context import RankContext
 from ..names import grad_name, loss_name, param_name, state_name
+from ..world import check_mesh_covers
 from .batches import as_dtype, global_batch, local_batch, start_model
 from .case import ModelCase, Pipelined
 from .plan import mesh_spec
@@ -137,6 +138,7 @@ class OnRank(Trainer):
             raise TypeError(f"parallelize[{cfg.impl!r}] returned {type(made).__name__}: return the module, "
                             "or harness.model.Pipelined(stages, schedule) for a pipelined model")
         self.modules = self.pipelined.modules if self.pipelined else [made]
+        check_mesh_covers(self.modules, dist.get_world_size())
         self.params = self._params()
         self.optimizer = case.optimizer([p for _, p in self.params])
 

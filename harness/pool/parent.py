@@ -81,20 +81,43 @@ class Outcome:
         return f"rank {self.rank}: {self.status}" + (f": {self.summary}" if self.summary else "")
 
 
+def ranks_text(ranks: list[int]) -> str:
+    """``rank 3``, ``ranks 0-3``, ``ranks 0, 2, 5-7``."""
+    runs, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            runs.append(f"{start}-{r}" if r > start + 1 else f"{start}, {r}" if r == start + 1 else f"{r}")
+            start = None
+    return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(runs)
+
+
 class CaseFailure(AssertionError):
-    """A task that did not finish cleanly on every rank. ``outcomes`` holds every rank's story."""
+    """A task that did not finish cleanly on every rank. ``outcomes`` holds every rank's story; ranks
+    that tell the same one are told together, once."""
 
     def __init__(self, reason: str, outcomes: dict[int, Outcome], world: int):
         self.reason, self.outcomes, self.world = reason, outcomes, world
         statuses = {o.status for o in outcomes.values()}
         self.kind = "crash" if statuses & {"raised", "died"} else "hang"
         lines = [reason, "every rank of the case:"]
-        lines += ["  " + outcomes[r].line() for r in sorted(outcomes) if r < world]
-        for r in sorted(outcomes):
-            o = outcomes[r]
-            if o.status in ("raised", "hung", "died") and o.detail:
-                lines.append(f"--- rank {r} ({o.status}) ---\n{o.detail.rstrip()}")
+        for (status, summary), ranks in _alike(outcomes, lambda o: (o.status, o.summary), world):
+            lines.append(f"  {ranks_text(ranks)}: {status}" + (f": {summary}" if summary else ""))
+        failed = {r: o for r, o in outcomes.items() if o.status in ("raised", "hung", "died") and o.detail
+                  and o.detail.strip() != o.summary}
+        for (status, detail), ranks in _alike(failed, lambda o: (o.status, o.detail.rstrip())):
+            lines.append(f"--- {ranks_text(ranks)} ({status}) ---\n{detail}")
         super().__init__("\n".join(lines))
+
+
+def _alike(outcomes: dict[int, Outcome], key, below: int | None = None) -> list[tuple[tuple, list[int]]]:
+    """Outcomes grouped by ``key``, in the order of their first rank: (key, ranks)."""
+    groups: dict[tuple, list[int]] = {}
+    for r in sorted(outcomes):
+        if below is None or r < below:
+            groups.setdefault(key(outcomes[r]), []).append(r)
+    return list(groups.items())
 
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
@@ -160,6 +183,7 @@ class Pool:
         self._hold: int | None = None  # this process's hold on _tmp (see pooldir)
         self._task = 0
         self._built: set[tuple] = set()
+        self._world = (0, 0)
         self.starts = 0  # how many times a pool was started (tests check restarts)
         atexit.register(self.close)
 
@@ -211,6 +235,7 @@ class Pool:
         self._conns = [Connection(parent.detach()) for parent, _ in pairs]
         self._pids, self._exits, self._status_buf, self._port = {}, {}, b"", None
         self._built: set[tuple] = set()  # (mesh, extra meshes) whose groups every rank has built
+        self._world = (0, 0)  # (size, generation) of the ranks' world: none yet
 
     def _launch_kept(self, child_fds: list[int], preload: list[str]):
         """Ask this checkout's kept zygote (started if there is none, or a stale one) to fork the
@@ -304,9 +329,11 @@ class Pool:
             deadline: float | None = None, label: str = "", extra_meshes=()) -> dict[int, Any]:
         """Run ``fn(ctx, payload)`` (an import path, ``"module:function"``) on every rank of ``mesh``.
 
-        ``extra_meshes``: further meshes (over the first ranks of the pool) the task may use through
-        ``ctx.mesh(dims)``; every pool rank takes part in creating their groups, so they must be
-        declared here rather than built inside the task.
+        ``extra_meshes``: further meshes (over the first ranks of the pool: dims tuples, or
+        MeshSpecs) the task may use through ``ctx.mesh(dims)`` or ``ctx.meshes_for(spec)``. The task
+        runs in a world of the largest of these meshes (:mod:`harness.world`: its default group,
+        torchrun's environment), whose every rank takes part in creating their groups, so they must
+        be declared here rather than built inside the task.
 
         Returns each mesh rank's return value. Raises :class:`CaseFailure` when any rank raises,
         dies or is still running at the deadline, with every rank's outcome.
@@ -314,9 +341,14 @@ class Pool:
         world, extra = fitting(mesh, extra_meshes, self.size, "the pool has {size}: run with --pool-size {need}")
         self.start()
         mesh = tuple(mesh)
+        size = max([world] + [world_of(m) for m in extra])
+        if self._world[0] != size:  # a world of another size: a new default group, new meshes
+            self._world = (size, self._world[1] + 1)
+            self._built.clear()
         if (mesh, extra) not in self._built:
-            # Building a mesh's groups is a round of new_group calls on every pool rank: setup, not
-            # the case, so it runs first under the start timeout and the deadline measures the case.
+            # Making the world and building a mesh's groups are rounds of rendezvous on the ranks:
+            # setup, not the case, so they run first under the start timeout and the deadline
+            # measures the case.
             self._task_in_scratch("harness.pool.tasks:noop", None, mesh, extra, 0, world, self.start_timeout,
                                   f"{label} (building its meshes)")
             self._built.add((mesh, extra))
@@ -345,7 +377,7 @@ class Pool:
 
     def _run(self, fn: str, payload: Any, mesh: tuple, extra: tuple, seed: int, scratch: str, world: int,
              deadline: float, label: str) -> dict[int, Any]:
-        message = pickle.dumps(("run", self._task, fn, payload, mesh, extra, seed, scratch),
+        message = pickle.dumps(("run", self._task, fn, payload, mesh, extra, seed, scratch, self._world),
                                protocol=pickle.HIGHEST_PROTOCOL)
         outcomes: dict[int, Outcome] = {}
         for rank, conn in enumerate(self._conns):

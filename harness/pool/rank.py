@@ -1,8 +1,9 @@
 """Child side of the warm pool.
 
 The zygote imports torch once and forks every rank from that warm image (spawning a fresh Python
-per rank costs ~2 s of imports each on this machine). Every rank then joins one process group over
-the whole pool and serves tasks from its socket until told to stop or until its parent disappears.
+per rank costs ~2 s of imports each on this machine). Every rank then serves tasks from its socket
+until told to stop or until its parent disappears, each task in a world of the task's own size
+(:mod:`harness.world`): the default group over the task's first ranks.
 """
 from __future__ import annotations
 
@@ -255,19 +256,20 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
 
     from ..layout import MeshLayout
     from ..paths import load
+    from ..world import World, explained
     from .backend import rank_device
     from .groups import share_groups
 
     torch.set_num_threads(1)
     conn = Connection(fd)
-    backend, world = spec["backend"], len(spec["fds"])
+    backend, pool_size = spec["backend"], len(spec["fds"])
     device = rank_device(backend, rank)
     _, port = pickle.loads(conn.recv_bytes())  # ("port", p): where the zygote's store listens
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    store = dist.TCPStore("127.0.0.1", port, pool_size, is_master=False)
+    world = World(rank, backend, store, device, "127.0.0.1", port, per_host=pool_size)
     share_groups()
     _send(conn, ("ready", rank))
-    meshes: dict = {}  # dims -> DeviceMesh, built by build_meshes
+    meshes: dict = {}  # mesh description -> DeviceMesh or Meshes, built by build_meshes
     functions: dict[str, object] = {}
     while True:
         try:
@@ -276,22 +278,27 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
             break
         if message[0] == "stop":
             break
-        _, task, path, payload, mesh, extra, seed, scratch = message
+        _, task, path, payload, mesh, extra, seed, scratch, (size, generation) = message
         try:
-            layout = MeshLayout.of(mesh)
-            build_meshes(meshes, (mesh, *extra), backend)
-            if rank >= layout.world:
+            if world.enter(size, generation):
+                meshes.clear()
+            if rank >= size:
                 _send(conn, ("idle", task, rank, None))
                 continue
-            if path not in functions:
-                functions[path] = load(path)
-            seed_rank(seed, rank)
-            ctx = context(rank, mesh, extra, meshes, device, backend, scratch)
-            result = functions[path](ctx, payload)
+            with world.inside(size):
+                build_meshes(meshes, (mesh, *extra), backend)
+                if rank >= MeshLayout.of(mesh).world:
+                    _send(conn, ("idle", task, rank, None))
+                    continue
+                if path not in functions:
+                    functions[path] = load(path)
+                seed_rank(seed, rank)
+                ctx = context(rank, mesh, extra, meshes, device, backend, scratch)
+                result = functions[path](ctx, payload)
             _send(conn, ("ok", task, rank, result))
-        except BaseException:  # noqa: BLE001  every failure goes back to the parent, with its traceback
+        except BaseException as error:  # noqa: BLE001  every failure goes back to the parent, with its traceback
             try:
-                _send(conn, ("raised", task, rank, traceback.format_exc()))
+                _send(conn, ("raised", task, rank, explained(error, size) or traceback.format_exc()))
             except (OSError, EOFError):
                 break
     os._exit(0)

@@ -1,9 +1,9 @@
 """Cells under torchrun: the implementation runs in-process on this rank, rank 0 judges.
 
 :class:`RankRunner` has the warm pool's ``run(fn, payload, mesh, ...)`` signature, so
-``harness.cell`` runs a cell through it unchanged: every rank builds the cell's meshes (collective:
-the ranks outside a smaller mesh take part and then idle), runs its part, and publishes its outcome
-in the store; rank 0 gathers the pieces and, through the same ``run_cell`` as the pool path,
+``harness.cell`` runs a cell through it unchanged: the cell's first ranks make a world of the
+cell's size (:mod:`harness.world`; the job's other ranks idle), build the cell's meshes, run their
+part and publish their outcome in the store; rank 0 gathers the pieces and, through the same ``run_cell`` as the pool path,
 computes the reference once, compares and checks the golden file. The verdict goes back through
 the store so that every rank's pytest reports the same outcome.
 
@@ -28,6 +28,8 @@ import time
 import traceback
 from typing import Any
 
+from ..layout import world_of
+from ..world import explained
 from ..pool.parent import FAILURE_GRACE, CaseFailure, Outcome, fitting, summarize_stack
 from .session import SETUP_TIMEOUT, Session
 from .watchdog import Watchdog, main_stack, on_sigterm
@@ -82,13 +84,20 @@ class RankRunner:
         mesh = tuple(mesh)
         world, extra = fitting(mesh, extra_meshes, self.size,
                                "this torchrun job has {size}: launch at least {need} ranks")
+        size = max([world] + [world_of(m) for m in extra])
+        cells = self.session.cell_world
+        if cells.current[0] != size:  # every rank runs every round: the same generations everywhere
+            cells.enter(size, cells.current[1] + 1)
+            self._meshes.clear()
         deadline = self.deadline if deadline is None else deadline
         self._task += 1
         # keyed by the test and the call's number within it, not a job-wide count: a rank that
         # skipped a round for any reason cannot read another test's outcomes or verdict as its own
         self._key, self._gathered = f"{self._test}/{self._task}", False
-        # Collective over the whole job, as in the pool's mesh build round: setup, not the case.
-        build_meshes(self._meshes, (mesh, *extra), self.backend)
+        # Collective over the cell's world, as in the pool's mesh build round: setup, not the case.
+        if self.rank < size:
+            with cells.inside(size):
+                build_meshes(self._meshes, (mesh, *extra), self.backend)
         scratch = os.path.join(self._scratch, self._key)
         os.makedirs(scratch, exist_ok=True)
         if self.rank == 0:  # what the next attempt must judge if this one dies inside the cell
@@ -106,9 +115,10 @@ class RankRunner:
                     self._functions[fn] = load(fn)
                 seed_rank(seed, self.rank)
                 ctx = context(self.rank, mesh, extra, self._meshes, self.session.device, self.backend, scratch)
-                out = ("ok", self._functions[fn](ctx, payload))
-            except BaseException:  # noqa: BLE001  goes to rank 0 with its traceback, as in the pool
-                out = ("raised", traceback.format_exc())
+                with cells.inside(size):
+                    out = ("ok", self._functions[fn](ctx, payload))
+            except BaseException as error:  # noqa: BLE001  goes to rank 0 with its traceback, as in the pool
+                out = ("raised", explained(error, size) or traceback.format_exc())
                 self.own_failures += 1
         else:
             out = ("idle", None)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..pool.backend import rank_device
 from ..pool.backend import resolve as resolve_backend
 from ..pool.groups import share_groups
+from ..world import World
 
 # How long a rank waits for the others at a store rendezvous that is not a cell (collection,
 # recovery): long enough for a loaded machine's slowest rank to import and collect.
@@ -47,6 +48,7 @@ class LaunchEnv:
     attempt: int  # TORCHELASTIC_RESTART_COUNT: 0, then 1 after torchrun's first restart, ...
     agent_store: bool  # the elastic agent hosts the store (else rank 0 does)
     host: str
+    per_host: int  # LOCAL_WORLD_SIZE: ranks torchrun started on this host
 
     @classmethod
     def from_env(cls, environ=None) -> "LaunchEnv":
@@ -55,7 +57,8 @@ class LaunchEnv:
                    node_rank=int(env.get("GROUP_RANK", 0)), master_addr=env["MASTER_ADDR"],
                    master_port=int(env["MASTER_PORT"]), run_id=env.get("TORCHELASTIC_RUN_ID", "none"),
                    attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
-                   agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True", host=socket.gethostname())
+                   agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True", host=socket.gethostname(),
+                   per_host=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
 
 
 class Session:
@@ -87,11 +90,10 @@ class Session:
         # A collective that never completes fails after the deadline (plus the time the watchdog
         # needs to gather stacks), not after torch's 30 minutes.
         timeout = timedelta(seconds=deadline + 60.0)
-        if self.backend == "nccl":
-            dist.init_process_group("nccl", store=pg_store, rank=env.rank, world_size=env.world, timeout=timeout,
-                                    device_id=self.device)
-        else:
-            dist.init_process_group(self.backend, store=pg_store, rank=env.rank, world_size=env.world, timeout=timeout)
+        # the job's world first (generation 0); each cell then runs in a world of its own size
+        self.cell_world = World(env.rank, self.backend, pg_store, self.device, env.master_addr, env.master_port,
+                                env.per_host, timeout)
+        self.cell_world.enter(env.world, 0)
         share_groups()  # one group per rank set across the run's meshes, as in the pool's ranks
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         self.set(f"who/{env.rank}", {"host": env.host, "local_rank": env.local_rank, "node": env.node_rank,

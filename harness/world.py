@@ -1,0 +1,148 @@
+"""A cell's world: the default process group and torchrun's environment over exactly the cell's ranks.
+
+Training code reads the world torchrun made: ``dist.get_world_size()``, ``dist.get_rank()``,
+collectives without ``group=`` (the default group), ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``, and
+``init_device_mesh(device, shape)`` over the whole world. So every task runs in a world of its own
+size: a rank process holds one default group at a time, over the task's first ``size`` ranks, and
+makes a new one (a fresh rendezvous under a store prefix of its own) when a task needs another size.
+Ranks beyond the size hold no group and idle. Leaving a world destroys every group made in it, so
+nothing made by one cell's code reaches a cell of another size; the environment a task changed is
+put back after it.
+
+The pool's ranks and torchrun's ranks keep their world the same way; the caller numbers the worlds
+(``generation``) so that every rank of a new world rendezvouses under the same prefix.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from datetime import timedelta
+
+# what torchrun sets for every worker, set for every rank of a cell's world
+ENVIRONMENT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+               "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class World:
+    """This rank's default process group, sized to the task at hand.
+
+    ``store``: the rendezvous store every rank reaches; ``address``/``port``: where it listens (the
+    cell's ``MASTER_ADDR``/``MASTER_PORT``); ``per_host``: ranks per host (the pool: all of them).
+    ``current``: the group this rank holds now, ``(size, generation)``, or None."""
+
+    def __init__(self, rank: int, backend: str, store, device, address: str, port: int, per_host: int,
+                 timeout: timedelta | None = None, current: tuple[int, int] | None = None):
+        self.rank, self.backend, self.store, self.device = rank, backend, store, device
+        self.address, self.port, self.per_host, self.timeout = address, port, per_host, timeout
+        self.current = current
+
+    def enter(self, size: int, generation: int) -> bool:
+        """Hold the default group of world ``(size, generation)`` (none beyond ``size``); True when
+        this changed the world, so that groups and meshes built in the old one are gone."""
+        import torch.distributed as dist
+
+        if self.current == (size, generation):
+            return False
+        if dist.is_initialized():
+            dist.destroy_process_group()  # every group of the old world, the shared ones too
+        self.current = (size, generation)
+        if self.rank < size:
+            store = dist.PrefixStore(f"paritytest-world/{generation}", self.store)
+            options = {"timeout": self.timeout} if self.timeout is not None else {}
+            if self.backend == "nccl":
+                options["device_id"] = self.device
+            dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=size, **options)
+        return True
+
+    def environment(self, size: int) -> dict[str, str]:
+        """torchrun's variables for this rank in a world of ``size`` ranks over hosts of
+        ``per_host`` ranks each, the ranks numbered host by host."""
+        host, local = divmod(self.rank, self.per_host)
+        hosts = -(-size // self.per_host)
+        on_host = min(self.per_host, size - host * self.per_host)
+        return {"RANK": str(self.rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(size),
+                "LOCAL_WORLD_SIZE": str(on_host), "GROUP_RANK": str(host), "GROUP_WORLD_SIZE": str(hosts),
+                "ROLE_RANK": str(self.rank), "ROLE_WORLD_SIZE": str(size), "MASTER_ADDR": self.address,
+                "MASTER_PORT": str(self.port)}
+
+    @contextlib.contextmanager
+    def inside(self, size: int):
+        """The task's environment: torchrun's variables of this world; afterwards the environment as
+        it was before the task, whatever the task's code set or removed."""
+        before = dict(os.environ)
+        os.environ.update(self.environment(size))
+        try:
+            yield
+        finally:
+            os.environ.clear()
+            os.environ.update(before)
+
+
+class WorldError(RuntimeError):
+    """A cell's code used its world wrongly; the message is the whole story (no traceback needed)."""
+
+
+def _user_line(error: BaseException) -> str:
+    """``file:line in function`` of the innermost frame of ``error`` in the user's code (not torch's,
+    the harness's or the standard library's), or ""."""
+    import sysconfig
+    import traceback
+
+    import torch
+
+    skip = [os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
+            sysconfig.get_paths()["stdlib"]]
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith("<frozen")
+              and not any(os.path.abspath(f.filename).startswith(s + os.sep) for s in skip)]
+    return f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+
+
+def explained(error: BaseException, size: int) -> str | None:
+    """One line for an error a cell's code made with its world (it called ``init_process_group``, built
+    a mesh the world does not hold, or read an environment variable the world does not set), naming
+    the fix; None for any other error."""
+    for cause in (error, error.__cause__):
+        if isinstance(cause, WorldError):
+            return str(cause)
+        if cause is None:
+            continue
+        text = str(cause)
+        where = _user_line(cause)
+        if "trying to initialize the default process group twice" in text:
+            return (f"the cell's code called torch.distributed.init_process_group{where}, but the harness made "
+                    f"this cell's world already: the default group over its {size} ranks, with RANK, WORLD_SIZE "
+                    "and MASTER_ADDR/PORT set as torchrun sets them; call it only when not dist.is_initialized()")
+        if "Mesh should not be bigger than default world size" in text:
+            return (f"the cell's code built a device mesh{where} larger than its world of {size} ranks ({text}); "
+                    "build it from dist.get_world_size(), its shape multiplying to the world")
+        if isinstance(cause, KeyError) and cause.args and isinstance(cause.args[0], str) \
+                and cause.__traceback__ is not None and _raised_by_environ(cause):
+            return (f"the cell's code read the environment variable {cause.args[0]}{where}, which this cell's "
+                    f"world does not set: it sets {', '.join(ENVIRONMENT)} as torchrun does; read one of those, "
+                    "or give a default with os.environ.get")
+    return None
+
+
+def _raised_by_environ(error: KeyError) -> bool:
+    """Whether ``os.environ[...]`` raised ``error``."""
+    tb = error.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    return code.co_name == "__getitem__" and code.co_filename in (os.__file__, "<frozen os>")
+
+
+def check_mesh_covers(module_or_modules, size: int) -> None:
+    """Raise :class:`WorldError` when a DTensor parameter lives on a mesh that does not span the
+    world: a mesh shape that multiplies to fewer ranks than the cell has."""
+    from torch.distributed.tensor import DTensor
+
+    roots = module_or_modules if isinstance(module_or_modules, (list, tuple)) else [module_or_modules]
+    for root in roots:
+        for name, p in root.named_parameters():
+            if isinstance(p, DTensor):
+                mesh = p.device_mesh._get_root_mesh()
+                if mesh.size() != size:
+                    raise WorldError(f"parameter {name} lives on a device mesh of {mesh.size()} ranks "
+                                     f"(shape {tuple(mesh.shape)}), but this cell's world has {size}: build the "
+                                     "mesh over the whole world, its shape multiplying to dist.get_world_size()")

@@ -1,0 +1,158 @@
+"""A cell is a world: a user's parallelize that reads only the world torchrun makes runs unchanged.
+
+The project's parallelize asks ``dist.get_world_size()``, reads ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/
+``LOCAL_WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, runs a collective on the default group, and
+builds its mesh with ``init_device_mesh("cpu", (world // 2, 2))`` over the whole world, as a
+training script does. Its 2-, 4- and 8-rank cells run one after the other in one 8-rank pool, in a
+kept pool, and under torchrun with 8 ranks (the smaller cells on the job's first ranks), from a
+project of its own, and pass; the next cell sees its own world (a variable the previous cell's code
+set is gone).
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.checkout import user_env
+from tests.test_torchrun import env_for, private_tmpdir, torchrun  # noqa: F401  (autouse fixture)
+
+MODEL = textwrap.dedent('''\
+    import os
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from harness.model import ModelCase
+
+
+    def batch(step):
+        g = torch.Generator().manual_seed(step)
+        return {"input": torch.randn(8, 16, generator=g), "target": torch.randn(8, 16, generator=g)}
+
+
+    def parallelize(model, meshes):
+        """The user's own: it knows nothing of the harness, only the world torchrun made."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        env = os.environ
+        assert (int(env["WORLD_SIZE"]), int(env["RANK"]), int(env["LOCAL_RANK"])) == (world, rank, rank)
+        assert int(env["LOCAL_WORLD_SIZE"]) == world and env["MASTER_ADDR"] and int(env["MASTER_PORT"]) > 0
+        assert "LEFT_BY_THE_LAST_CELL" not in env, "a variable a previous cell set leaked into this one"
+        env["LEFT_BY_THE_LAST_CELL"] = str(world)
+        ones = torch.ones(1)
+        dist.all_reduce(ones)  # the default group: this cell's ranks, no more
+        assert ones.item() == world
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+        return model
+
+
+    CASE = ModelCase(build=lambda: nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)), batch=batch,
+                     loss=lambda out, b: F.mse_loss(out, b["target"]), parallelize={"world": parallelize})
+    ''')
+CONFTEST = 'from harness.model import register_model\n\nregister_model("worldly", "worldly:CASE")\n'
+TEST = textwrap.dedent('''\
+    import pytest
+
+    from harness.model import model_cells
+
+    CELLS = model_cells("worldly", meshes=["dp=4,tp=2", "tp=2", "dp=2,tp=2"])  # 8, 2, then 4 ranks
+
+
+    @pytest.mark.parametrize("cfg", CELLS, ids=str)
+    def test_worldly(cfg, parity):
+        parity(cfg)
+    ''')
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    root = tmp_path / "project"
+    root.mkdir()
+    (root / "worldly.py").write_text(MODEL)
+    (root / "conftest.py").write_text(CONFTEST)
+    (root / "test_worldly.py").write_text(TEST)
+    (root / "pytest.ini").write_text("[pytest]\n")
+    return root
+
+
+def _pytest(project: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pool-size", "8",
+                           "--case-deadline", "120", *args], cwd=project, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_a_parallelize_that_reads_the_world_passes_on_cells_of_2_4_and_8_ranks_in_one_pool(project):
+    done = _pytest(project, env_for(project))
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
+    assert "3 passed" in done.stdout
+
+
+def test_the_same_in_a_kept_pool(project, tmp_path):
+    runtime = Path(tempfile.mkdtemp(prefix="kw", dir="/tmp"))  # short: a socket's path has 108 bytes
+    env = dict(env_for(project), XDG_RUNTIME_DIR=str(runtime))
+    try:
+        for _ in range(2):  # the second run forks its ranks from the kept zygote
+            done = _pytest(project, env, "--keep-pool", "120")
+            assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
+            assert "3 passed" in done.stdout
+    finally:
+        subprocess.run([sys.executable, "-m", "harness.pool", "stop"], cwd=project, env=env, timeout=60)
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+def test_the_same_under_torchrun_on_the_first_ranks_of_an_8_rank_job(project, tmp_path):
+    done = torchrun(["--standalone", "--nproc-per-node", "8"],
+                    ["-q", "--case-deadline", "120", "--rank-logs", str(tmp_path / "logs")],
+                    cwd=project, env=env_for(project))
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-3000:]
+    assert "3 passed" in done.stdout
+
+
+BAD = MODEL.replace('parallelize={"world": parallelize})', '''parallelize={
+    "initpg": lambda model, meshes: dist.init_process_group("gloo") or model,
+    "bigmesh": lambda model, meshes: init_device_mesh("cpu", (dist.get_world_size(), 2)) and model,
+    "smallmesh": lambda model, meshes: parallelize_module(
+        model, init_device_mesh("cpu", (dist.get_world_size() // 2,)), {"0": ColwiseParallel(), "2": RowwiseParallel()}),
+    "slurm": lambda model, meshes: model if int(os.environ["SLURM_PROCID"]) >= 0 else None,
+})''')
+BAD_TEST = TEST.replace('model_cells("worldly", meshes=["dp=4,tp=2", "tp=2", "dp=2,tp=2"])  # 8, 2, then 4 ranks',
+                        'model_cells("worldly", meshes=["tp=4"])')
+LINES = {
+    "initpg": "the cell's code called torch.distributed.init_process_group (at worldly.py:LINE in <lambda>), but the "
+              "harness made this cell's world already: the default group over its 4 ranks",
+    "bigmesh": "the cell's code built a device mesh (at worldly.py:LINE in <lambda>) larger than its world of 4 ranks",
+    "smallmesh": "parameter 0.weight lives on a device mesh of 2 ranks (shape (2,)), but this cell's world has 4: "
+                 "build the mesh over the whole world",
+    "slurm": "the cell's code read the environment variable SLURM_PROCID (at worldly.py:LINE in <lambda>), which this "
+             "cell's world does not set: it sets RANK, LOCAL_RANK, WORLD_SIZE",
+}
+
+
+def test_a_parallelize_that_misuses_the_world_fails_with_one_line_naming_the_fix(tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "worldly.py").write_text(BAD)
+    (project / "conftest.py").write_text(CONFTEST)
+    (project / "test_worldly.py").write_text(BAD_TEST)
+    (project / "pytest.ini").write_text("[pytest]\n")
+    done = _pytest(project, env_for(project), "--pool-size", "4")
+    assert done.returncode == 1, done.stdout[-5000:] + done.stderr[-2000:]
+    assert "4 failed" in done.stdout, done.stdout[-5000:]
+    for impl, line in LINES.items():
+        failure = done.stdout.split(f"test_worldly[worldly-{impl}-tp4")[1]
+        shown = re.sub(r"worldly\.py:\d+", "worldly.py:LINE", failure)  # the user's line, in their file
+        assert f"ranks 0-3: raised: {line}" in shown, (impl, failure[:3000])
+        assert "Traceback" not in failure.split("reproduce:")[0], (impl, failure[:3000])
