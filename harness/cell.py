@@ -84,7 +84,7 @@ def parity(cfg: Config, component: Component, assembled: dict, pool=None) -> tup
     return tol, compare(assembled, expected, tol)
 
 
-def run_pieces(cfg: Config, pool, component: Component) -> dict[int, dict] | None:
+def run_pieces(cfg: Config, pool, component: Component, scratch: str | None = None) -> dict[int, dict] | None:
     """Run the cell's implementation on the ranks of its mesh: each rank's named pieces.
 
     ``pool`` is the warm pool, or under torchrun this process's rank runner
@@ -93,7 +93,7 @@ def run_pieces(cfg: Config, pool, component: Component) -> dict[int, dict] | Non
     """
     run = component.implementations[cfg.impl].run
     return pool.run(run, cfg, cfg.mesh, seed=cfg.seed, label=cfg.id, extra_meshes=component.extra_meshes(cfg),
-                    deadline=cell_deadline(pool, component))
+                    deadline=cell_deadline(pool, component), scratch=scratch)
 
 
 def cell_deadline(pool, component: Component) -> float | None:
@@ -112,16 +112,18 @@ def outcome_of(cfg: Config, component: Component, pieces: dict[int, dict], pool=
     return outcome
 
 
-def execute(cfg: Config, pool) -> CellOutcome:
+def execute(cfg: Config, pool, scratch: str | None = None) -> CellOutcome:
     """Run the cell in the pool and compare it with the reference, without judging: the outcome
-    holds the parity report and the logical result whether or not they match."""
+    holds the parity report and the logical result whether or not they match. ``scratch``: the
+    directory the cell's ranks share (the pool's own, removed after it, when None)."""
     check_config(cfg, pool.size)
     component = get(cfg.component)
-    return outcome_of(cfg, component, run_pieces(cfg, pool, component), pool)
+    return outcome_of(cfg, component, run_pieces(cfg, pool, component, scratch), pool)
 
 
 def run_cell(cfg: Config, pool, *, golden_dir: Path | None = None, update_golden: bool = False,
-             missing_golden: str = "write", rerun: str = "", diagnose: bool = True) -> CellOutcome:
+             missing_golden: str = "write", rerun: str = "", diagnose: bool = True,
+             scratch: str | None = None) -> CellOutcome:
     """Parity with the reference first (the gate), then the golden file (drift over time).
 
     ``pool``: the warm pool, or under torchrun rank 0's runner (the same ``run``).
@@ -129,9 +131,10 @@ def run_cell(cfg: Config, pool, *, golden_dir: Path | None = None, update_golden
     (the cell passes, ``golden_status`` says ``written``); ``"fail"`` fails the cell (CI).
     ``rerun``: the command that reruns this cell, quoted in failure messages. ``diagnose``: whether a
     failing cell may be run again to say where it diverges (not for a declared divergence).
+    ``scratch``: the directory the cell's ranks share (``harness.model.cell_dir()``).
     """
     start = time.perf_counter()
-    outcome = execute(cfg, pool)
+    outcome = execute(cfg, pool, scratch)
     diagnosis: Diagnosis = get(cfg.component).diagnosis(cfg, pool, outcome.parity, rerun=diagnose)
     outcome.record = diagnosis.record
     reproduce = f"reproduce: {rerun}" if rerun else f"config: {cfg.id}"

@@ -59,8 +59,8 @@ class CellCheck:
     """``parity(cfg)`` for one test: runs the cell through ``pool`` (the warm pool, or under torchrun
     this rank's runner, ``runner``)."""
 
-    def __init__(self, request, pool, runner=None):
-        self.request, self.pool, self.runner = request, pool, runner
+    def __init__(self, request, pool, runner=None, scratch: str | None = None):
+        self.request, self.pool, self.runner, self.scratch = request, pool, runner, scratch
         self.config = request.config
         self.nodeid = request.node.nodeid
         self.golden_dir = Path(self.config.getoption("--golden-dir") or self.config.rootpath / "golden")
@@ -103,7 +103,7 @@ class CellCheck:
             else:
                 from .torchrun.plugin import on_ranks
 
-                failure, outcome = on_ranks(self, cfg, component, self.runner, record, start)
+                failure, outcome = on_ranks(self, cfg, self.runner, record, start)
         record["seconds"] = record.get("seconds") or round(time.perf_counter() - start, 4)
         if failure is not None:  # outside the except block: the report shows our message, no chain
             pytest.fail(failure, pytrace=False)
@@ -123,7 +123,7 @@ class CellCheck:
             # a declared divergence (strict xfail) does not pay for the re-run that localises it
             outcome = run_cell(cfg, pool, golden_dir=self.golden_dir, update_golden=opt("--update-golden"),
                                missing_golden="fail" if opt("--strict-golden") else "write", rerun=rerun,
-                               diagnose="expected" not in record)
+                               diagnose="expected" not in record, scratch=self.scratch)
         except Divergence as error:
             record["kind"] = error.kind
             record.update(worst(error.report), **error.record)

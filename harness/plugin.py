@@ -98,6 +98,7 @@ def _check_implementations() -> None:
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--quick"):
         selection.select_quick(config, items)
+    selection.by_world(items)
 
 
 def pytest_deselected(items):
@@ -171,11 +172,12 @@ def rank_pool(pytestconfig):
 
 
 @pytest.fixture
-def parity(request, rank_pool):
-    """``parity(cfg)``: run the cell in the pool, compare with the reference and its golden file."""
+def parity(request, rank_pool, tmp_path):
+    """``parity(cfg)``: run the cell in the pool, compare with the reference and its golden file; the
+    cell's ranks share ``tmp_path`` (``harness.model.cell_dir()``), which pytest keeps for a failing cell."""
     from .fixture import CellCheck
 
-    return CellCheck(request, rank_pool, runner_of(request.config))
+    return CellCheck(request, rank_pool, runner_of(request.config), str(tmp_path))
 
 
 def pytest_runtest_logreport(report):

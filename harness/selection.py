@@ -1,6 +1,7 @@
-"""Which cells a run selects: ``--quick``'s few cells, and the line that says a ``-k`` left none.
+"""Which cells a run selects and in what order: ``--quick``'s few cells, cells of one world size
+together, and the line that says a ``-k`` left none.
 
-Both read the cells from collected items by their ``cfg`` parameter (:func:`cell_config`).
+All read the cells from collected items by their ``cfg`` parameter (:func:`cell_config`).
 """
 from __future__ import annotations
 
@@ -75,3 +76,25 @@ def no_cell_matched(config, items) -> str | None:
         return None
     return (f"no cell matched -k {shlex.quote(keyword)}; an id looks like {ID_SHAPE}, e.g. {example} "
             "(-k matches pieces of it: -k 'tp2 and bf16')")
+
+
+def by_world(items) -> None:
+    """Within each module, cells in order of the ranks they need (stable: the module's own order
+    otherwise), so that a worker's cells of one size run one after another and its ranks make a new
+    world (:mod:`harness.world`) once per size, not once per cell."""
+    from .config import ConfigError
+    from .registry import ranks_needed
+
+    def need(item) -> int:
+        cfg = cell_config(item)
+        try:
+            return ranks_needed(cfg) if cfg is not None else 0
+        except ConfigError:  # reported by the cell itself
+            return cfg.world
+    start = 0
+    while start < len(items):
+        end = start
+        while end < len(items) and getattr(items[end], "module", None) is getattr(items[start], "module", None):
+            end += 1
+        items[start:end] = sorted(items[start:end], key=need)
+        start = end

@@ -45,6 +45,11 @@ class World:
             return False
         if dist.is_initialized():
             dist.destroy_process_group()  # every group of the old world, the shared ones too
+            # DTensor caches sharding decisions by mesh, and a mesh equals the old world's mesh of the
+            # same shape: the cached result would name the old world's (destroyed) groups
+            from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+            _clear_sharding_prop_cache()
         self.current = (size, generation)
         if self.rank < size:
             store = dist.PrefixStore(f"paritytest-world/{generation}", self.store)
@@ -78,7 +83,7 @@ class World:
             os.environ.update(before)
 
 
-class WorldError(RuntimeError):
+class CellError(RuntimeError):
     """A cell's code used its world wrongly; the message is the whole story (no traceback needed)."""
 
 
@@ -90,10 +95,16 @@ def _user_line(error: BaseException) -> str:
 
     import torch
 
-    skip = [os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
-            sysconfig.get_paths()["stdlib"]]
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith("<frozen")
-              and not any(os.path.abspath(f.filename).startswith(s + os.sep) for s in skip)]
+    harness = os.path.dirname(os.path.abspath(__file__))
+    skip = [os.path.dirname(torch.__file__), harness, sysconfig.get_paths()["stdlib"]]
+    shipped = os.path.join(harness, "examples") + os.sep  # the shipped cases are users' code
+
+    def users(path: str) -> bool:
+        path = os.path.abspath(path)
+        return path.startswith(shipped) or not any(path.startswith(s + os.sep) for s in skip)
+
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not f.filename.startswith("<frozen") and users(f.filename)]
     return f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
 
 
@@ -102,7 +113,7 @@ def explained(error: BaseException, size: int) -> str | None:
     a mesh the world does not hold, or read an environment variable the world does not set), naming
     the fix; None for any other error."""
     for cause in (error, error.__cause__):
-        if isinstance(cause, WorldError):
+        if isinstance(cause, CellError):
             return str(cause)
         if cause is None:
             continue
@@ -133,7 +144,7 @@ def _raised_by_environ(error: KeyError) -> bool:
 
 
 def check_mesh_covers(module_or_modules, size: int) -> None:
-    """Raise :class:`WorldError` when a DTensor parameter lives on a mesh that does not span the
+    """Raise :class:`CellError` when a DTensor parameter lives on a mesh that does not span the
     world: a mesh shape that multiplies to fewer ranks than the cell has."""
     from torch.distributed.tensor import DTensor
 
@@ -143,6 +154,6 @@ def check_mesh_covers(module_or_modules, size: int) -> None:
             if isinstance(p, DTensor):
                 mesh = p.device_mesh._get_root_mesh()
                 if mesh.size() != size:
-                    raise WorldError(f"parameter {name} lives on a device mesh of {mesh.size()} ranks "
+                    raise CellError(f"parameter {name} lives on a device mesh of {mesh.size()} ranks "
                                      f"(shape {tuple(mesh.shape)}), but this cell's world has {size}: build the "
                                      "mesh over the whole world, its shape multiplying to dist.get_world_size()")

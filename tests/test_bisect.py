@@ -194,7 +194,7 @@ def test_git_bisect_run_finds_the_commit_that_broke_a_cell(tmp_path):
     git("add", "-A")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "good")
     good = git("rev-parse", "HEAD").stdout.strip()
-    tp = repo / "parallel" / "tp.py"
+    tp = repo / "harness" / "parallel" / "tp.py"
     for i, text in enumerate(["# a harmless comment\n", None, "# another\n"]):
         if text is None:  # the breaking commit: the row-parallel all-reduce forgotten
             source = tp.read_text().replace("out = reduce_from_group(F.linear(x_shard, w), tp)",

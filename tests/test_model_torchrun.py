@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from harness.report import junit
 from tests.test_torchrun import env_for, outcomes, private_tmpdir, torchrun  # noqa: F401  (autouse fixture)
 
 CONFTEST = '''
@@ -55,3 +56,9 @@ def test_model_cells_under_torchrun_get_the_pool_verdicts(tmp_path):
     assert [outcome for _, outcome, _ in got] == ["passed"] * 4 + ["failed"]
     assert "bugs-lossworld-dp2-fp32-plain-steps3-seed0 diverges from the reference" in run.stdout
     assert "first diverging parameter gradients (step 1, in backward order): output.weight" in run.stdout
+    # the same diagnosis as the pool's: the first diverging module, and the per-module record
+    first = [line for line in pool.stdout.splitlines() if line.startswith("first diverging module:")]
+    assert first and first == [line for line in run.stdout.splitlines() if line.startswith("first diverging module:")]
+    modules = {path: {c.name: [row[:3] for row in c.record.get("model", {}).get("modules", [])]
+                      for c in junit.read([path]).cells} for path in (pool_xml, torchrun_xml)}
+    assert modules[torchrun_xml] == modules[pool_xml] and any(modules[pool_xml].values())

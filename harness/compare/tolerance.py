@@ -19,6 +19,14 @@ A whole model (:mod:`harness.model`) has no single reduction to read ``n`` from,
 (:func:`harness.model.reference.reduction_size`): the larger of the largest fan-in of any
 ``nn.Linear`` (terms of one forward dot product) and the tokens of a global batch (terms of a mean
 loss and of every parameter's gradient); ``ModelCase(reduction=...)`` overrides it.
+
+A model whose forward uses a kernel with no fp64 implementation (``torch._grouped_mm`` on the CPU)
+names it in ``ModelCase(fp32_ops=...)``: the reference then runs that op from its fp32 kernel and
+is exact only to fp32 rounding there. Such a reference still certifies fp32, bf16 and fp16 cells
+under the same ``rtol``: what it adds is at most one fp32 rounding and an fp32 accumulation per such
+op, the same order as the run's own error in an fp32 cell and far below a bf16 one, inside
+``SAFETY``. It cannot certify agreement finer than fp32 rounding of those ops: an fp64 cell of such
+a model, or a bug whose whole effect is below that rounding, is beyond it.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ optimizer steps on the harness's meshes, against the same model on one process i
 
 Public API::
 
-    from harness.model import ModelCase, Pipelined, register_model, model_cells
+    from harness.model import ModelCase, Pipelined, register_model, model_cells, cell_dir
 
 * :class:`ModelCase`: ``build``, ``batch``, ``loss``, ``parallelize`` (name -> ``fn(model, meshes)``),
   and optional ``forward``, ``optimizer``, ``steps``, ``seq_dim``, ``placements``, ``reduction``,
@@ -11,6 +11,8 @@ Public API::
 * ``parallelize`` gets :class:`harness.meshes.Meshes` and returns the module, or a :class:`Pipelined`
   (the rank's ``PipelineStage`` objects and their schedule). A module whose output is a DTensor has
   its loss computed and backpropagated under ``loss_parallel()``.
+* ``cell_dir()``: the directory a cell's ranks share, for a ``parallelize`` that goes through files
+  (``save_pretrained`` / ``from_pretrained``).
 * ``register_model(name, case="pkg.mod:CASE")`` registers a Component named ``name``;
   ``model_cells(name, impls=, meshes=, dtypes=, steps=, switches=)`` returns its Configs.
 * Ids: ``<model>-<impl>-<mesh>-<dtype>-<switches>-steps<N>-seed<S>``, mesh dims ``pp``, ``rep``,
@@ -30,6 +32,7 @@ ranks and in the reference (``tasks.py``, the entry points bound to the case) ->
 ``register.py`` makes a case a Component.
 """
 from .case import ModelCase, Pipelined
+from .cell import cell_dir
 from .register import model_cells, register_model
 
-__all__ = ["ModelCase", "Pipelined", "model_cells", "register_model"]
+__all__ = ["ModelCase", "Pipelined", "cell_dir", "model_cells", "register_model"]

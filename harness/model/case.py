@@ -103,6 +103,10 @@ class ModelCase:
       TP-only plan on a dp mesh), or None; such cells are invalid for it, not skipped.
     * ``xfail``: implementation name -> ``fn(cfg) -> str | None``: why a cell is known to diverge
       upstream; it runs as a strict xfail.
+    * ``fp32_ops``: aten ops the fp64 reference runs from their fp32 kernel (inputs cast to fp32,
+      outputs back to fp64), for kernels with no fp64 implementation on the device, e.g.
+      ``("_grouped_mm",)`` for transformers' grouped_mm experts. What such a reference certifies:
+      :mod:`harness.compare.tolerance`.
     """
 
     build: Callable[[], nn.Module]
@@ -118,6 +122,7 @@ class ModelCase:
     mixed_precision: str = "autocast"
     supports: dict[str, Callable[[Any], str | None]] = field(default_factory=dict)
     xfail: dict[str, Callable[[Any], str | None]] = field(default_factory=dict)
+    fp32_ops: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not self.parallelize:
@@ -130,3 +135,5 @@ class ModelCase:
             raise ValueError(f"ModelCase.mixed_precision={self.mixed_precision!r}: choose one of {MIXED_PRECISION}")
         if self.steps < 1:
             raise ValueError(f"ModelCase.steps={self.steps}: a model cell takes at least one optimizer step")
+        if isinstance(self.fp32_ops, str):
+            raise ValueError(f"ModelCase.fp32_ops={self.fp32_ops!r}: give a tuple of op names, e.g. ('_grouped_mm',)")

@@ -23,7 +23,8 @@ from ..config import Config
 from ..context import RankContext
 from ..layout import MeshLayout, Piece, Shard, piece_index
 from ..names import parse
-from . import plan
+from ..world import CellError
+from . import cell, plan
 from .batches import global_batch, start_model
 from .case import ModelCase
 from .hooks import Recorder, logical_shapes
@@ -34,6 +35,11 @@ from .train import OneProcess, OnRank, Trainer, state_of
 # ---- the rank task ----------------------------------------------------------------------------------
 def run(case: ModelCase, ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     """This rank's part of the cell; an exception raised inside a module names the module."""
+    with cell.inside(ctx.scratch):
+        return _run(case, ctx, cfg)
+
+
+def _run(case: ModelCase, ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     trip = plan.reshard_of(cfg)
     if trip is not None:
         return round_trip(case, ctx, cfg, trip)
@@ -124,7 +130,7 @@ def round_trip(case: ModelCase, ctx: RankContext, cfg: Config, trip: plan.Reshar
     """Train to the save step, save with DCP over the cell's ranks, load under the load layout (or
     on rank 0 alone) and train to the end; the results are those of the run that never stopped, the
     reloaded state as full tensors (so the two layouts' placements never need to agree)."""
-    path = os.path.join(ctx.scratch, "checkpoint")
+    path = os.path.join(ctx.scratch, "paritytest-checkpoint")
     saver = OnRank(case, ctx, cfg)
     pieces: dict[str, Piece] = {}
     losses = saver.train(range(trip.save_step), lambda grads: pieces.update(placed(saver, grads)))
@@ -183,11 +189,41 @@ def reference(case: ModelCase, cfg: Config) -> dict[str, torch.Tensor]:
     trainer = OneProcess(case, cfg)
     trainer.recorder = Recorder([trainer.model]) if events.active() else None
     result: dict[str, torch.Tensor] = {}
-    result |= trainer.train(range(cfg.size("steps")),
-                            lambda grads: result.update({n: g.detach().clone() for n, g in grads.items()}))
+    try:
+        result |= trainer.train(range(cfg.size("steps")),
+                                lambda grads: result.update({n: g.detach().clone() for n, g in grads.items()}))
+    except (RuntimeError, NotImplementedError) as error:
+        if "Double" not in str(error):
+            raise
+        raise CellError(_no_fp64(case, cfg, trainer.model, error)) from error
     if trainer.recorder is not None:
         trainer.recorder.remove()
     return result | {name: t.detach().clone() for name, t in state_of(trainer.params, trainer.optimizer).items()}
+
+
+def _no_fp64(case: ModelCase, cfg: Config, model: nn.Module, error: BaseException) -> str:
+    """What to say when the fp64 reference met a kernel with no fp64 implementation: the op (found by
+    one more forward that notes each op it dispatches), the module, and the fix."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LastOp(TorchDispatchMode):
+        name = "?"
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            LastOp.name = func.overloadpacket.__name__
+            return func(*args, **(kwargs or {}))
+
+    batch = OneProcess(case, cfg).batch(0)
+    try:
+        with LastOp():
+            case.loss(case.forward(model, batch), batch).backward()
+    except (RuntimeError, NotImplementedError):
+        pass
+    module = crashed_in(error, [model])
+    first = str(error).strip().splitlines()[0]
+    return (f"the fp64 reference failed in {'module ' + module if module else 'the model'}: aten.{LastOp.name} has "
+            f"no float64 kernel here ({first}); run it from its fp32 kernel in the reference: "
+            f"ModelCase(fp32_ops=({LastOp.name!r},)) (what such a reference certifies: harness.compare.tolerance)")
 
 
 def check(case: ModelCase, cfg: Config) -> None:

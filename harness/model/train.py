@@ -98,6 +98,42 @@ class Trainer:
         return losses
 
 
+class Fp32Ops:
+    """While active, the named aten ops (``"_grouped_mm"``) run from their fp32 kernel: fp64 inputs
+    cast to fp32, fp32 outputs cast back to fp64 (the fp64 reference of a model whose kernel has no
+    fp64 implementation), in forward and backward alike."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names = {name.replace("aten::", "").replace("aten.", "").split(".")[0] for name in names}
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_map
+
+        names = self.names
+
+        def cast(dtype_from, dtype_to):
+            return lambda x: x.to(dtype_to) if isinstance(x, torch.Tensor) and x.dtype == dtype_from else x
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func.overloadpacket.__name__ not in names:
+                    return func(*args, **kwargs)
+                down = cast(torch.float64, torch.float32)
+                out = func(*tree_map(down, args), **tree_map(down, kwargs))
+                return tree_map(cast(torch.float32, torch.float64), out)
+
+        self.mode = Mode() if names else None
+        if self.mode is not None:
+            self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.mode is not None:
+            self.mode.__exit__(*exc)
+
+
 class OneProcess(Trainer):
     """The whole model on one process, trained on the whole global batch: in fp64 without autocast
     (``reference``), or as the cell starts it, on fp32 batches under the cell's autocast (a model a
@@ -115,7 +151,12 @@ class OneProcess(Trainer):
         return as_dtype(global_batch(self.case, step), torch.float64 if self.reference else torch.float32)
 
     def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        with contextlib.nullcontext() if self.reference else autocast(self.case, self.cfg, torch.device("cpu")):
+        if self.reference:
+            with Fp32Ops(self.case.fp32_ops):
+                loss = self.case.loss(self.case.forward(self.model, batch), batch)
+                loss.backward()
+            return scalar(loss)
+        with autocast(self.case, self.cfg, torch.device("cpu")):
             loss = self.case.loss(self.case.forward(self.model, batch), batch)
         loss.backward()
         return scalar(loss)

@@ -326,7 +326,8 @@ class Pool:
 
     # ---- running a task ----------------------------------------------------------------
     def run(self, fn: str, payload: Any, mesh: tuple[tuple[str, int], ...], *, seed: int = 0,
-            deadline: float | None = None, label: str = "", extra_meshes=()) -> dict[int, Any]:
+            deadline: float | None = None, label: str = "", extra_meshes=(), scratch: str | None = None
+            ) -> dict[int, Any]:
         """Run ``fn(ctx, payload)`` (an import path, ``"module:function"``) on every rank of ``mesh``.
 
         ``extra_meshes``: further meshes (over the first ranks of the pool: dims tuples, or
@@ -334,6 +335,9 @@ class Pool:
         runs in a world of the largest of these meshes (:mod:`harness.world`: its default group,
         torchrun's environment), whose every rank takes part in creating their groups, so they must
         be declared here rather than built inside the task.
+
+        ``scratch``: the directory the task's ranks share (``ctx.scratch``), empty; by default one of
+        the pool's own, removed after the task.
 
         Returns each mesh rank's return value. Raises :class:`CaseFailure` when any rank raises,
         dies or is still running at the deadline, with every rank's outcome.
@@ -353,7 +357,7 @@ class Pool:
                                   f"{label} (building its meshes)")
             self._built.add((mesh, extra))
         return self._task_in_scratch(fn, payload, mesh, extra, seed, world,
-                                     self.deadline if deadline is None else deadline, label)
+                                     self.deadline if deadline is None else deadline, label, scratch)
 
     def reference(self, path: str, cfg, *, extra_meshes=(), deadline: float | None = None):
         """``path(cfg)``, a cell's single-process reference, computed by the pool's first rank: a
@@ -365,8 +369,10 @@ class Pool:
                         label=f"{cfg.id} (its reference)", extra_meshes=extra_meshes, deadline=deadline)[0]
 
     def _task_in_scratch(self, fn: str, payload: Any, mesh: tuple, extra: tuple, seed: int, world: int,
-                         deadline: float, label: str) -> dict[int, Any]:
+                         deadline: float, label: str, given: str | None = None) -> dict[int, Any]:
         self._task += 1
+        if given is not None:  # the caller's, and the caller's to remove
+            return self._run(fn, payload, mesh, extra, seed, given, world, deadline, label)
         scratch = os.path.join(self._tmp, f"task{self._task}")
         os.mkdir(scratch)
         try:

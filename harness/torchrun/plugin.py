@@ -153,13 +153,12 @@ def own_temp(config) -> None:
     os.environ["PYTEST_DEBUG_TEMPROOT"] = root
 
 
-def on_ranks(check, cfg, component, runner, record: dict, start: float):
-    """A cell under torchrun: every rank runs its part; rank 0 judges (``check.judge``) and shares
-    the verdict, which the other ranks adopt (record included), so every rank reports the same
-    outcome. A cell an earlier attempt of this job judged is not run again: its verdict is replayed.
-    Returns the failure text or None, and the outcome (rank 0's)."""
-    from ..cell import run_pieces
-
+def on_ranks(check, cfg, runner, record: dict, start: float):
+    """A cell under torchrun: rank 0 judges (``check.judge``), running the cell (and, when it fails,
+    its localisation) on every rank: the others follow its rounds. It shares the verdict, which the
+    other ranks adopt (record included), so every rank reports the same outcome and the same
+    diagnosis as a pool run. A cell an earlier attempt of this job judged is not run again: its
+    verdict is replayed. Returns the failure text or None, and the outcome (rank 0's)."""
     nodeid = check.nodeid
     verdict = runner.recorded(nodeid)
     if verdict is None:
@@ -174,10 +173,7 @@ def on_ranks(check, cfg, component, runner, record: dict, start: float):
                 raise
             runner.share_verdict(failure, record)
             return failure, outcome
-        try:
-            run_pieces(cfg, runner, component)
-        finally:  # whatever happened here, the cell's verdict is rank 0's
-            verdict = runner.await_verdict()
+        verdict = runner.follow()  # rank 0's rounds: the cell, and its localisation if it fails
     record.clear()
     record.update(verdict["record"])
     return verdict["failure"], None

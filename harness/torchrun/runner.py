@@ -44,8 +44,8 @@ POLL = 0.02
 class RankRunner:
     """This rank's runner of cells: the pool's interface, in-process."""
 
-    # the other ranks run each cell once, so a failing cell is not run again to localise it
-    can_rerun = False
+    # a failing cell runs again to localise it: the other ranks follow rank 0's rounds (follow())
+    can_rerun = True
 
     def __init__(self, session: Session, scratch_root: str | None = None):
         self.session = session
@@ -67,20 +67,29 @@ class RankRunner:
 
     # ---- the pool's interface ------------------------------------------------------------
     def run(self, fn: str, payload: Any, mesh: tuple[tuple[str, int], ...], *, seed: int = 0,
-            deadline: float | None = None, label: str = "", extra_meshes=(), gather: str | None = None):
+            deadline: float | None = None, label: str = "", extra_meshes=(), gather: str | None = None,
+            scratch: str | None = None):
         """Run ``fn(ctx, payload)`` on this rank if it lies in ``mesh``; every rank must call it.
 
         ``gather="all"``: every rank returns every mesh rank's value (the pool's contract, for
         tests that use ``rank_pool`` directly); ``"first"``: rank 0 gets them, the others None
-        (cells: only rank 0 judges). Default: ``"first"`` inside a cell (:meth:`begin` with a
-        record), else ``"all"``. Raises :class:`CaseFailure` on the gathering ranks when a
-        rank raised; a rank that hangs ends the attempt (see the module docstring).
+        (cells: only rank 0 judges). ``scratch`` is ignored: a rank's pytest ``tmp_path`` is its
+        own, so the ranks share a directory under the job's scratch. Default: ``"first"`` inside a
+        cell (:meth:`begin` with a record), else ``"all"``. Inside a cell, rank 0 announces each
+        round and the other ranks run it when they see it (:meth:`follow`), so rank 0 may run more
+        than one (a failing cell's localisation). Raises :class:`CaseFailure` on the gathering ranks
+        when a rank raised; a rank that hangs ends the attempt (see the module docstring).
         """
         from ..paths import load
         from ..pool.rank import build_meshes, context, seed_rank
 
+        in_cell = bool(self._current and self._current.get("record") is not None)
         if gather is None:
-            gather = "first" if self._current and self._current.get("record") is not None else "all"
+            gather = "first" if in_cell else "all"
+        if in_cell and self.rank == 0:
+            self.session.set(f"{self._test}/{self._task + 1}/request",
+                             {"fn": fn, "payload": payload, "mesh": mesh, "seed": seed, "deadline": deadline,
+                              "label": label, "extra_meshes": tuple(extra_meshes)})
         mesh = tuple(mesh)
         world, extra = fitting(mesh, extra_meshes, self.size,
                                "this torchrun job has {size}: launch at least {need} ranks")
@@ -183,6 +192,7 @@ class RankRunner:
         """A test starts (every rank, from the plugin's setup hook): its rounds are numbered from 1."""
         self._test = hashlib.sha1(nodeid.encode()).hexdigest()[:16]
         self._task = 0
+        self._key = f"{self._test}/0"
 
     def begin(self, nodeid: str, record: dict | None) -> None:
         """The test about to call :meth:`run`: its record is what a hang or death is reported in."""
@@ -208,16 +218,22 @@ class RankRunner:
             self.session.set(f"verdict/{self._current['nodeid']}", verdict, self.session.record)
         self._done()
 
-    def await_verdict(self) -> dict:
-        """Other ranks: wait for rank 0's verdict of the cell just run."""
-        key = f"{self._key}/verdict"
-        while not self.session.has(key):
+    def follow(self) -> dict:
+        """Other ranks, in a cell: run every round rank 0 announces (the cell, then its localisation
+        when it fails), in order, until rank 0's verdict of the cell."""
+        while True:
+            request = f"{self._test}/{self._task + 1}/request"
+            if self.session.has(request):
+                self.run(**self.session.get(request))
+                continue
+            key = f"{self._key}/verdict"
+            if self.session.has(key):
+                verdict = self.session.get(key)
+                if verdict["restart"]:
+                    self._exit_for_restart()
+                self._done()
+                return verdict
             time.sleep(POLL)
-        verdict = self.session.get(key)
-        if verdict["restart"]:
-            self._exit_for_restart()
-        self._done()
-        return verdict
 
     def _done(self) -> None:
         self.watchdog.disarm()

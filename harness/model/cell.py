@@ -1,0 +1,34 @@
+"""The directory a cell's ranks share: ``harness.model.cell_dir()``.
+
+A ``build`` or ``parallelize`` that goes through files (``save_pretrained`` on one rank, then
+``from_pretrained(..., tp_plan=..., device_mesh=...)`` on all) needs a directory every rank of the
+cell reads, empty at the cell's start. In the pool it is the cell's pytest ``tmp_path`` (removed with
+a passing cell, kept with a failing one, as pytest keeps ``tmp_path``); under torchrun, a directory
+under the job's scratch (``PARITYTEST_SCRATCH`` for one that all hosts see).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from pathlib import Path
+
+_current: contextvars.ContextVar[str | None] = contextvars.ContextVar("paritytest_cell_dir", default=None)
+
+
+def cell_dir() -> Path:
+    """The directory this cell's ranks share (see the module docstring)."""
+    where = _current.get()
+    if where is None:
+        raise RuntimeError("harness.model.cell_dir() is the directory a cell's ranks share: call it while a cell "
+                           "runs (from parallelize, or build on the ranks); the one-process reference has no cell")
+    return Path(where)
+
+
+@contextlib.contextmanager
+def inside(directory: str):
+    """``cell_dir()`` is ``directory`` while the block runs."""
+    token = _current.set(directory)
+    try:
+        yield
+    finally:
+        _current.reset(token)
