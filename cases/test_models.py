@@ -23,6 +23,26 @@ from harness.examples import llama_hf, qwen3moe_hf  # noqa: E402
 
 HF = llama_hf.cells() + qwen3moe_hf.cells()
 
+# users' code (harness/examples/pretrained_hf.py): save_pretrained on rank 0, from_pretrained(tp_plan="auto") on all
+from harness.examples import pretrained_hf  # noqa: E402
+
+HFPRETRAINED = pretrained_hf.cells()
+
+# Qwen3-MoE as transformers builds it (harness/examples/qwen3moe_grouped_hf.py): default grouped_mm experts under EP
+from harness.examples import qwen3moe_grouped_hf  # noqa: E402
+
+QWEN3MOEGMM = qwen3moe_grouped_hf.cells()
+
+# torchtitan's way of making meshes (harness/examples/titan_world.py): ParallelDims from a job config and the world
+from harness.examples import titan_world  # noqa: E402
+
+TITANWORLD = titan_world.cells()
+
+# accelerate's ND parallelism (harness/examples/accelerate_hf.py): ParallelismConfig -> Accelerator -> prepare
+from harness.examples import accelerate_hf  # noqa: E402
+
+ACCELERATE = accelerate_hf.cells()
+
 # the project's own components composed (harness/examples/composed/): the 5D seed pp2·ep2·cp2 with FSDP over
 # dp·cp, the 3D seed pp2·dp2·tp2 (autograd and its manual-backward MLP), dp2ep on dp2·cp2·tp2, and a
 # reshard of FSDP4·TP2·EP2 to HSDP2×2·TP2·EP2; the 16-rank pp2·dp2·cp2·tp2·ep4 cell runs under torchrun
@@ -31,7 +51,7 @@ from harness.examples.composed.case import cells as composed_cells  # noqa: E402
 
 COMPOSED = composed_cells()
 
-CELLS = TITAN + HF + COMPOSED
+CELLS = TITAN + HF + COMPOSED + HFPRETRAINED + QWEN3MOEGMM + TITANWORLD + ACCELERATE
 
 
 @pytest.mark.parametrize("cfg", CELLS, ids=str)

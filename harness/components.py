@@ -118,5 +118,17 @@ LLAMA = model_component("llama", "harness.examples.llama_hf:CASE", impls=("tp", 
                         skip="harness.examples.hf:skip")
 QWEN3MOE = model_component("qwen3moe", "harness.examples.qwen3moe_hf:CASE", impls=("ep",),
                            skip="harness.examples.hf:skip")
+# transformers' tiny Llama through save_pretrained / from_pretrained(distributed_config=...), as users load it
+HFPRETRAINED = model_component("hfpretrained", "harness.examples.pretrained_hf:CASE", impls=("auto",),
+                               skip="harness.examples.hf:skip")
+# transformers' Qwen3-MoE as transformers builds it: default grouped_mm experts (fp64 reference runs _grouped_mm in fp32)
+QWEN3MOEGMM = model_component("qwen3moegmm", "harness.examples.qwen3moe_grouped_hf:CASE", impls=("ep",),
+                              skip="harness.examples.hf:skip")
+# torchtitan's way of making meshes: ParallelDims from a job config and the world (dp_shard=-1), TP + FSDP2 on them
+TITANWORLD = model_component("titanworld", "harness.examples.titan_world:CASE", impls=("tp2",))
+# accelerate's ND parallelism (ParallelismConfig + Accelerator.prepare) on the same tiny Llama
+ACCELERATE = model_component("accelerate", "harness.examples.accelerate_hf:CASE", impls=("nd",),
+                             skip="harness.examples.hf:skip_accelerate")
 
-BUILTIN = [TP, RINGATTN, MOE, FSDP, PP, CKPT, TITAN, COMPOSED, LLAMA, QWEN3MOE]
+BUILTIN = [TP, RINGATTN, MOE, FSDP, PP, CKPT, TITAN, COMPOSED, LLAMA, QWEN3MOE, HFPRETRAINED, QWEN3MOEGMM, TITANWORLD,
+           ACCELERATE]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 # the distributions a run reports, in this order: torch is pinned in the install command (README,
 # .ci/run), not in the package metadata, so it has no pin here
-LIBRARIES = ("torch", "transformers", "megatron-core")
+LIBRARIES = ("torch", "transformers", "megatron-core", "accelerate")
 EXTRA = "thirdparty"
 PACKAGE = "paritytest"
 # the name of the testsuite-level junit property (and of the report's line): a JSON list of Library

@@ -14,7 +14,7 @@ from harness import versions
 from harness.versions import Library
 from tests.checkout import ROOT, copy_checkout, user_env
 
-PINNED = {"transformers": "5.23.0", "megatron-core": "0.16.1"}
+PINNED = {"transformers": "5.23.0", "megatron-core": "0.16.1", "accelerate": "1.15.0"}
 # an older 5.x that installs over the pin beside CPU torch 2.13 (--no-deps: nothing else changes)
 OLDER_TRANSFORMERS = "5.22.2"
 # a few hf cells: a skip stating transformers' behaviour, a declared divergence (strict xfail), and
@@ -77,7 +77,8 @@ def test_the_run_header_and_junit_xml_name_the_versions_here(pytester):
     assert any(line.startswith(f"paritytest: torch {torch.__version__}, transformers ") for line in header), header
     suite = ET.parse(pytester.path / "out.xml").getroot()
     recorded = suite.find(".//properties/property[@name='versions']")
-    assert [lib.name for lib in versions.from_json(recorded.get("value"))] == ["torch", "transformers", "megatron-core"]
+    assert [lib.name for lib in versions.from_json(recorded.get("value"))] == ["torch", "transformers", "megatron-core",
+                                                                             "accelerate"]
 
 
 def test_the_report_names_the_versions_and_warns_at_the_top(tmp_path):

@@ -27,21 +27,24 @@ from harness.examples.llama_hf import batch, distribute, forward, loss
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, EXPERTS, TOP_K = 64, 16, 16, 2, 4, 2, 4, 2
 
 
-def config():
+def config(eager: bool = True):
+    """The tiny config; ``eager``: eager attention and experts, else transformers' defaults (sdpa,
+    grouped_mm)."""
     from harness.examples.hf import Qwen3MoeConfig
 
+    kernels = {"attn_implementation": "eager", "experts_implementation": "eager"} if eager else {}
     return Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * FFN,
                           moe_intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                           num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS, num_experts=EXPERTS,
                           num_experts_per_tok=TOP_K, norm_topk_prob=True, decoder_sparse_step=1,
-                          max_position_embeddings=32, output_router_logits=False,
-                          attn_implementation="eager", experts_implementation="eager", tie_word_embeddings=False)
+                          max_position_embeddings=32, output_router_logits=False, tie_word_embeddings=False,
+                          **kernels)
 
 
-def build():
+def build(eager: bool = True):
     from harness.examples.hf import Qwen3MoeForCausalLM
 
-    model = Qwen3MoeForCausalLM(config())
+    model = Qwen3MoeForCausalLM(config(eager))
     with torch.no_grad():
         for layer in model.model.layers:
             torch.nn.init.normal_(layer.mlp.gate.weight, std=HIDDEN ** -0.5)

@@ -1,0 +1,38 @@
+"""Planted bugs in users' parallelize functions for the shipped users' cases (tests/test_users_cases.py):
+each a mistake made in the user's own code, through the framework's own API, never a flag in production code.
+
+* ``PARTIAL``: ``harness/examples/pretrained_hf.py`` loading with a ``tp_plan`` that overrides
+  ``model.layers.*.mlp.down_proj`` with a rowwise style that does not reduce (registered as transformers'
+  users register a style): each rank keeps its partial sum of the down projection;
+* ``ACCEL``: ``harness/examples/accelerate_hf.py`` with ``ParallelismConfig(dp_shard_size=WORLD_SIZE,
+  tp_size=2)``: the dp_shard dim built from the whole world, the tp ranks not taken out.
+"""
+import torch.distributed as dist
+
+from harness.examples import accelerate_hf, pretrained_hf
+from harness.model import ModelCase
+
+
+def rowwise_without_reduce(model, meshes):
+    """``from_pretrained(..., distributed_config=DistributedConfig(tp_plan={"model.layers.*.mlp.down_proj":
+    "rowwise_local"}))`` with ``rowwise_local`` a ``RowwiseParallel`` whose output stays ``Partial()``."""
+    from torch.distributed.tensor import Partial
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+    from transformers.distributed.tensor_parallel import RowwiseParallel
+
+    ALL_PARALLEL_STYLES.register("rowwise_local", RowwiseParallel(output_layouts=Partial()))
+    return pretrained_hf.parallelize(model, meshes, tp_plan={"model.layers.*.mlp.down_proj": "rowwise_local"})
+
+
+def dp_shard_over_the_world(model, meshes):
+    """accelerate's ND parallelism with the dp_shard degree taken from the whole world."""
+    from accelerate import ParallelismConfig
+
+    config = ParallelismConfig(dp_shard_size=dist.get_world_size(), tp_size=meshes.spec.tp)
+    return accelerate_hf.parallelize(model, meshes, config=config)
+
+
+PARTIAL = ModelCase(build=pretrained_hf.build, batch=pretrained_hf.batch, loss=pretrained_hf.loss,
+                    forward=pretrained_hf.forward, parallelize={"partial": rowwise_without_reduce})
+ACCEL = ModelCase(build=accelerate_hf.build, batch=accelerate_hf.batch, loss=accelerate_hf.loss,
+                  forward=accelerate_hf.forward, parallelize={"worldshard": dp_shard_over_the_world})

@@ -1,0 +1,114 @@
+"""The shipped users' cases, and planted bugs in users' parallelize functions (tests/model_bugs_users.py),
+run from a project of their own: its files written into tmp_path, ``python -m pytest`` in a subprocess
+from there (the harness the one on PYTHONPATH, as in tests/test_world.py).
+
+* ``harness/examples/pretrained_hf.py`` copied as the project's own ``mypretrained.py``: rank 0
+  ``save_pretrained`` to ``cell_dir()``, a barrier, ``from_pretrained(distributed_config=...)`` on every rank,
+  no path broadcast anywhere: green;
+* the shipped ``qwen3moegmm`` (``harness/examples/qwen3moe_grouped_hf.py``: default grouped_mm experts under
+  the EP plan, the reference running ``_grouped_mm`` in fp32), by its built-in name: green;
+* a ``tp_plan`` whose down_proj rowwise style leaves the partial sum: red, naming
+  ``model.layers.0.mlp.down_proj``;
+* accelerate's ``ParallelismConfig`` with dp_shard built from the whole world: red, naming the mesh
+  larger than the world and where accelerate built it.
+
+The four cells run in one pytest session (one pool): each test below reads its own cell's part.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.test_torchrun import env_for
+
+ROOT = Path(__file__).resolve().parent.parent
+PRETRAINED = ROOT / "harness" / "examples" / "pretrained_hf.py"
+
+CONFTEST = textwrap.dedent('''\
+    from harness.model import register_model
+
+    register_model("mypretrained", "mypretrained:CASE")
+    register_model("partialtp", "tests.model_bugs_users:PARTIAL")
+    register_model("worldshard", "tests.model_bugs_users:ACCEL")
+    ''')
+TEST = textwrap.dedent('''\
+    import pytest
+
+    from harness.model import model_cells
+
+    CELLS = (model_cells("mypretrained", meshes=["tp=2"])
+             + model_cells("qwen3moegmm", meshes=["dp=2"], switches={"ep": ["2"]})  # the shipped one, by name
+             + model_cells("partialtp", meshes=["tp=2"])
+             + model_cells("worldshard", meshes=["dp=2,tp=2"]))
+
+
+    @pytest.mark.parametrize("cfg", CELLS, ids=str)
+    def test_users(cfg, parity):
+        parity(cfg)
+    ''')
+IDS = {"pretrained": "mypretrained-auto-tp2-fp32-plain-steps3-seed0",
+       "moe": "qwen3moegmm-ep-dp2-fp32-ep_2-steps3-seed0",
+       "partial": "partialtp-partial-tp2-fp32-plain-steps3-seed0",
+       "worldshard": "worldshard-worldshard-dp2.tp2-fp32-plain-steps3-seed0"}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> subprocess.CompletedProcess:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    project = tmp_path_factory.mktemp("users") / "project"
+    project.mkdir()
+    (project / "mypretrained.py").write_text(PRETRAINED.read_text())
+    (project / "conftest.py").write_text(CONFTEST)
+    (project / "test_users.py").write_text(TEST)
+    (project / "pytest.ini").write_text("[pytest]\n")
+    tmp = project.parent / "tmp"  # the jobs' temp dir inside the test's (kept pool sockets, scratch)
+    tmp.mkdir()
+    env = dict(env_for(project), TMPDIR=str(tmp))
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                           "--pool-size", "4", "--case-deadline", "120", "-rA"], cwd=project, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def failure(run, key: str) -> str:
+    """The failure report of cell ``key``: from its header to the next one."""
+    parts = re.split(r"^_{3,} test_users\[", run.stdout, flags=re.MULTILINE)
+    found = [p for p in parts if p.startswith(IDS[key])]
+    assert found, f"no failure report for {IDS[key]}:\n{run.stdout[-6000:]}"
+    return found[0]
+
+
+def outcome(run, key: str) -> str:
+    match = re.search(rf"^(PASSED|FAILED|XFAIL|XPASS|SKIPPED|ERROR) \S*test_users\[{re.escape(IDS[key])}\]",
+                      run.stdout, re.MULTILINE)
+    assert match, f"{IDS[key]} not in the summary:\n{run.stdout[-6000:]}\n{run.stderr[-2000:]}"
+    return match.group(1)
+
+
+def test_the_shipped_from_pretrained_case_passes_from_an_outside_project_without_broadcasting_a_path(run):
+    source = PRETRAINED.read_text()
+    assert "save_pretrained(path)" in source and "from_pretrained(path" in source and "cell_dir()" in source
+    assert "broadcast" not in source.split('"""', 2)[2]  # the code, not its docstring
+    assert outcome(run, "pretrained") == "PASSED", run.stdout[-6000:]
+
+
+def test_the_grouped_mm_moe_case_runs(run):
+    assert outcome(run, "moe") in ("PASSED", "XFAIL"), run.stdout[-6000:]
+
+
+def test_a_tp_plan_leaving_a_rowwise_partial_sum_is_red_and_names_down_proj(run):
+    assert outcome(run, "partial") == "FAILED"
+    text = failure(run, "partial")
+    assert "first diverging module: model.layers.0.mlp.down_proj" in text, text[-6000:]
+
+
+def test_accelerate_with_dp_shard_built_from_the_whole_world_is_red_and_names_the_mesh(run):
+    assert outcome(run, "worldshard") == "FAILED"
+    text = failure(run, "worldshard")
+    assert ("raised: the cell's code built a device mesh (at parallelism_config.py:" in text
+            and "in build_device_mesh) larger than its world of 4 ranks" in text), text[-6000:]
