@@ -72,7 +72,10 @@ class Groups:
             if s.tp > 1 else self.fsdp
         self.ep, self.etp = meshes.sparse["ep"].get_group(), meshes.sparse["etp"].get_group()
         self.loss_ranks = s.rep * s.dp * s.cp  # each rank's loss is a mean over its tokens
-        self.dense = meshes.dense["rep", "dp", "cp", "tp"]
+        # the parameters' DTensors live on the dims that split something: a DTensor op's sharding is
+        # propagated over every dim of its mesh, so dims of size 1 would only multiply that work
+        self.dense_dims = tuple(d for d in DENSE_DIMS if getattr(s, d) > 1) or ("dp",)
+        self.dense = meshes.dense[self.dense_dims]
         self.sparse = meshes.sparse["rep", "efsdp", "ep", "etp"]
         # experts: (efsdp, ep) are the fsdp ranks (ep borrows dp·cp when etp = tp), same order
         coord = dict(zip(self.sparse.mesh_dim_names, self.sparse.get_coordinate()))
@@ -80,6 +83,10 @@ class Groups:
 
     def dp_groups(self, shard_group) -> DPGroups:
         return DPGroups(shard_group, self.rep, self.loss_ranks, 0)
+
+
+# the dense dims a parameter's placements are written over, before the dims of size 1 are dropped
+DENSE_DIMS = ("rep", "dp", "cp", "tp")
 
 
 # ---- the FSDP units ---------------------------------------------------------------------------------------
@@ -185,6 +192,7 @@ class Unit:
             sharded, group = (take(full, Shard(tp_dim), n_tp, c_tp) if cut else full), g.fsdp
             if cut:
                 placements[3] = DShard(tp_dim)
+        placements = [p for d, p in zip(DENSE_DIMS, placements) if d in g.dense_dims]
         self.entries.append(Entry(module, name, full, sharded.detach().float(), group, inner, placements, mesh))
         return lambda: self.get(module, name)
 
