@@ -12,6 +12,7 @@ from .compare.tolerance import Tolerances
 from .config import Config
 from .golden.store import GoldenError, MissingGolden, golden_path, metadata, read_golden, update_command, write_golden
 from .layout import AssemblyError, MeshLayout, assemble
+from .names import parse
 from .registry import Component, Diagnosis, check_config, get
 
 
@@ -46,6 +47,9 @@ class CellOutcome:
     record: dict = field(default_factory=dict)  # the component's extras for the cell's junit record
     result: dict[str, torch.Tensor] = field(default_factory=dict)
 
+
+# rows of a failure's table shown with it (one screen); the whole table is in the cell's junit record
+TABLE_ROWS = 12
 
 _references: dict[tuple, dict[str, torch.Tensor]] = {}
 
@@ -139,9 +143,12 @@ def run_cell(cfg: Config, pool, *, golden_dir: Path | None = None, update_golden
     outcome.record = diagnosis.record
     reproduce = f"reproduce: {rerun}" if rerun else f"config: {cfg.id}"
     if not outcome.parity.ok:
-        raise Divergence(f"{cfg.id} diverges from the reference ({outcome.tol}):\n{outcome.parity.table()}\n"
+        first = _first(diagnosis.order)
+        whole = outcome.parity.table(first=first)
+        shown = outcome.parity.table(first=first, most=TABLE_ROWS)
+        raise Divergence(f"{cfg.id} diverges from the reference ({outcome.tol}):\n{shown}\n"
                          + (f"{diagnosis.text}\n" if diagnosis.text else "") + reproduce, outcome.parity,
-                         record=diagnosis.record)
+                         record=diagnosis.record | ({"table": whole} if whole != shown else {}))
     if golden_dir is not None:
         try:
             check_golden(outcome, Path(golden_dir), update=update_golden, missing=missing_golden,
@@ -151,6 +158,14 @@ def run_cell(cfg: Config, pool, *, golden_dir: Path | None = None, update_golden
             raise
     outcome.seconds = time.perf_counter() - start
     return outcome
+
+
+def _first(params: list[str]):
+    """Sort key of a failure table's rows: the tensors of ``params`` in that order, then the rest."""
+    if not params:
+        return None
+    rank = {p: i for i, p in enumerate(params)}
+    return lambda tensor: rank.get(parse(tensor).param, len(rank))
 
 
 def check_golden(outcome: CellOutcome, root: Path, *, update: bool = False, missing: str = "write",

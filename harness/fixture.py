@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -59,8 +60,8 @@ class CellCheck:
     """``parity(cfg)`` for one test: runs the cell through ``pool`` (the warm pool, or under torchrun
     this rank's runner, ``runner``)."""
 
-    def __init__(self, request, pool, runner=None, scratch: str | None = None):
-        self.request, self.pool, self.runner, self.scratch = request, pool, runner, scratch
+    def __init__(self, request, pool, runner=None):
+        self.request, self.pool, self.runner = request, pool, runner
         self.config = request.config
         self.nodeid = request.node.nodeid
         self.golden_dir = Path(self.config.getoption("--golden-dir") or self.config.rootpath / "golden")
@@ -119,23 +120,36 @@ class CellCheck:
 
         opt = self.config.getoption
         rerun = rerun_command(self.config, self.nodeid)
+        scratch = None  # the cell's directory (harness.model.cell_dir()), kept if it fails
         try:
+            scratch = pool.new_scratch()
             # a declared divergence (strict xfail) does not pay for the re-run that localises it
             outcome = run_cell(cfg, pool, golden_dir=self.golden_dir, update_golden=opt("--update-golden"),
                                missing_golden="fail" if opt("--strict-golden") else "write", rerun=rerun,
-                               diagnose="expected" not in record, scratch=self.scratch)
+                               diagnose="expected" not in record, scratch=scratch)
         except Divergence as error:
             record["kind"] = error.kind
             record.update(worst(error.report), **error.record)
-            return str(error), None
+            return str(error) + self._keep(scratch), None
         except (CaseFailure, AssemblyError) as error:  # a hang or crash reruns the same way a mismatch does
             record["kind"] = getattr(error, "kind", type(error).__name__)
-            return f"{error}\nreproduce: {rerun}", None
+            return f"{error}{self._keep(scratch)}\nreproduce: {rerun}", None
         except (GoldenError, PoolError) as error:
             record["kind"] = type(error).__name__
             return str(error), None
         finally:
             record["seconds"] = round(time.perf_counter() - start, 4)
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
         record.update(worst(outcome.parity), status="passed", golden=outcome.golden_status, moved=outcome.moved,
                       **outcome.record)
         return None, outcome
+
+    def _keep(self, scratch: str | None) -> str:
+        """A failing cell's directory, moved into the test's ``tmp_path`` (pytest keeps it as it keeps
+        a failed test's); the line that says where, or "" when it held nothing."""
+        if scratch is None or not os.path.isdir(scratch) or not os.listdir(scratch):
+            return ""
+        kept = self.request.getfixturevalue("tmp_path") / "cell"
+        shutil.move(scratch, kept)
+        return f"\nthe cell's directory (harness.model.cell_dir()) is kept: {kept}"

@@ -172,12 +172,11 @@ def rank_pool(pytestconfig):
 
 
 @pytest.fixture
-def parity(request, rank_pool, tmp_path):
-    """``parity(cfg)``: run the cell in the pool, compare with the reference and its golden file; the
-    cell's ranks share ``tmp_path`` (``harness.model.cell_dir()``), which pytest keeps for a failing cell."""
+def parity(request, rank_pool):
+    """``parity(cfg)``: run the cell in the pool, compare with the reference and its golden file."""
     from .fixture import CellCheck
 
-    return CellCheck(request, rank_pool, runner_of(request.config), str(tmp_path))
+    return CellCheck(request, rank_pool, runner_of(request.config))
 
 
 def pytest_runtest_logreport(report):

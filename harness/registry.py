@@ -73,6 +73,9 @@ class Diagnosis:
 
     text: str = ""
     record: dict = field(default_factory=dict)
+    # the parameters whose tensors the failure's table lists first, in this order (where the
+    # divergence starts first); empty: the comparison's own order
+    order: list[str] = field(default_factory=list)
 
 
 @dataclass

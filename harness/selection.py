@@ -24,10 +24,17 @@ def cell_config(item) -> Config | None:
     return cfg if isinstance(cfg, Config) else None
 
 
+def mesh_kind(cfg: Config) -> tuple[str, ...]:
+    """The dims a cell's mesh splits over (degree above 1), in its order: ``("rep", "dp")`` is HSDP,
+    ``("pp", "dp", "tp")`` a 3-D mesh; ``()`` one rank."""
+    return tuple(name for name, degree in cfg.mesh if degree > 1)
+
+
 def quick_selection(cfgs: list[Config]) -> set[Config]:
     """Per (component, implementation): cells on the smallest mesh world above one (or the only
-    world there is), picked in order until every such mesh, dtype and switch value appears once.
-    Small, yet every component, implementation, dtype and switch value is exercised."""
+    world there is), picked in order until every such mesh, dtype and switch value appears once;
+    and of every other kind of mesh it has (:func:`mesh_kind`: HSDP, 3 dims, ...), its smallest
+    cell. Small, yet every component, implementation, dtype, switch value and kind of mesh runs."""
     worlds: dict[tuple[str, str], set[int]] = defaultdict(set)
     for cfg in cfgs:
         worlds[cfg.component, cfg.impl].add(cfg.world)
@@ -41,6 +48,13 @@ def quick_selection(cfgs: list[Config]) -> set[Config]:
         if features - seen:
             keep.add(cfg)
             seen |= features
+    kinds: dict[tuple, Config] = {}
+    for cfg in cfgs:  # the first cell of the smallest world of each kind of mesh not yet kept
+        kind = (cfg.component, cfg.impl, mesh_kind(cfg))
+        if kind[2] and (kind not in kinds or cfg.world < kinds[kind].world):
+            kinds[kind] = cfg
+    covered = {(c.component, c.impl, mesh_kind(c)) for c in keep}
+    keep |= {cfg for kind, cfg in kinds.items() if kind not in covered}
     return keep
 
 
@@ -79,9 +93,10 @@ def no_cell_matched(config, items) -> str | None:
 
 
 def by_world(items) -> None:
-    """Within each module, cells in order of the ranks they need (stable: the module's own order
-    otherwise), so that a worker's cells of one size run one after another and its ranks make a new
-    world (:mod:`harness.world`) once per size, not once per cell."""
+    """Within each module, cells in order of the ranks they need, the most first (stable: the
+    module's own order otherwise): a worker's cells of one size run one after another, so its ranks
+    make a new world (:mod:`harness.world`) once per size, not once per cell; and the largest cells,
+    the longest, start first instead of leaving the other worker idle at the end."""
     from .config import ConfigError
     from .registry import ranks_needed
 
@@ -96,5 +111,5 @@ def by_world(items) -> None:
         end = start
         while end < len(items) and getattr(items[end], "module", None) is getattr(items[start], "module", None):
             end += 1
-        items[start:end] = sorted(items[start:end], key=need)
+        items[start:end] = sorted(items[start:end], key=need, reverse=True)
         start = end

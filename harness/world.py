@@ -87,7 +87,7 @@ class CellError(RuntimeError):
     """A cell's code used its world wrongly; the message is the whole story (no traceback needed)."""
 
 
-def _user_line(error: BaseException) -> str:
+def user_line(error: BaseException) -> str:
     """``file:line in function`` of the innermost frame of ``error`` in the user's code (not torch's,
     the harness's or the standard library's), or ""."""
     import sysconfig
@@ -118,7 +118,7 @@ def explained(error: BaseException, size: int) -> str | None:
         if cause is None:
             continue
         text = str(cause)
-        where = _user_line(cause)
+        where = user_line(cause)
         if "trying to initialize the default process group twice" in text:
             return (f"the cell's code called torch.distributed.init_process_group{where}, but the harness made "
                     f"this cell's world already: the default group over its {size} ranks, with RANK, WORLD_SIZE "

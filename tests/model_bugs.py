@@ -1,6 +1,7 @@
 """Users' parallelize functions with planted bugs (tests/test_model_bugs.py), each a mistake a team
 makes in its own parallelize code, on harness/examples/titan.py's model. Never flags in production code: each
 bug is a different parallelize function registered as an implementation of the ``bugs`` model."""
+import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import ColwiseParallel
 
@@ -33,9 +34,21 @@ def loss_over_world_twice(model, meshes):
     return titan.parallelize_stage(model, meshes, loss_parallel=True)
 
 
+def stage_reinitialised(model, meshes):
+    """1F1B over pp=2 whose second stage initialises its attention's query weights again after the
+    split (as a script does that builds its stages and calls each stage's init, the start it was
+    given loaded into the first stage only): the stage's numbers part at that module."""
+    made = titan.pipeline(model, meshes, interleaved=False)
+    stage = made.modules[0]
+    if "1" in stage.layers:
+        with torch.no_grad():
+            torch.nn.init.normal_(stage.layers["1"].attention.wq.weight, std=0.02)
+    return made
+
+
 BUGS = ModelCase(build=titan.Transformer, batch=titan.batch, loss=titan.loss, parallelize={
     "wocol": wo_colwise, "nosp": norm_without_sequence_parallel, "hsdpdims": hsdp_wrong_dims,
-    "lossworld": loss_over_world_twice})
+    "lossworld": loss_over_world_twice, "stagereinit": stage_reinitialised})
 
 
 # ---- a tied embedding across pipeline stages --------------------------------------------------------

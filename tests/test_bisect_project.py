@@ -77,7 +77,7 @@ def test_a_name_not_registered_is_a_usage_error_saying_where_bisect_looked(pytho
                  "register_implementation('tp', 'yours', 'module:run') in a conftest.py"):
         assert part in message, message
     component = bisect(python, good, "check", CELL.replace("tp-", "tq-", 1))
-    assert component.returncode == 2 and "unknown component 'tq'; registered: ckpt" in component.stderr
+    assert component.returncode == 2 and "unknown component 'tq'; registered: accelerate, ckpt" in component.stderr
     assert f"loaded conftests: {conftest}" in component.stderr, component.stderr
     run = bisect(python, good, "run", CELL.replace("-mine-", "-yours-"))
     assert run.returncode == 2 and "unknown implementation 'yours' of tp" in run.stderr, run.stdout + run.stderr

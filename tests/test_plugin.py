@@ -186,7 +186,7 @@ register_implementation("tp", "hang", "hang:run")
     ])
 
 
-def test_quick_covers_every_component_impl_dtype_and_switch_on_the_smallest_multi_rank_mesh():
+def test_quick_covers_every_component_impl_dtype_and_switch_and_every_kind_of_mesh():
     sizes = {"b": 4}
     cfgs = (cells("tp", impls=["ours", "dtensor"], meshes=["tp=1", "tp=2", "dp=2,tp=2", "tp=4"],
                   dtypes=["fp32", "bf16"], sizes=sizes, switches={"op": ["mlp", "sp", "xent"]})
@@ -194,8 +194,10 @@ def test_quick_covers_every_component_impl_dtype_and_switch_on_the_smallest_mult
                     switches={"mask": ["causal"]}))
     kept = quick_selection(cfgs)
     assert {(c.component, c.impl) for c in kept} == {("tp", "ours"), ("tp", "dtensor"), ("ringattn", "ours")}
-    assert {c.mesh for c in kept if c.component == "tp"} == {(("tp", 2),)}
-    ours = [c for c in kept if c.impl == "ours" and c.component == "tp"]
+    # the smallest multi-rank mesh for the values, and the smallest cell of each other kind of mesh
+    assert {c.mesh for c in kept if c.component == "tp"} == {(("tp", 2),), (("dp", 2), ("tp", 2))}
+    assert len([c for c in kept if c.component == "tp" and c.mesh == (("dp", 2), ("tp", 2))]) == 2  # one per impl
+    ours = [c for c in kept if c.impl == "ours" and c.component == "tp" and c.mesh == (("tp", 2),)]
     assert {c.dtype for c in ours} == {"fp32", "bf16"} and {c.switch("op") for c in ours} == {"mlp", "sp", "xent"}
     assert len(ours) < 6  # each value at least once, not the product of dtypes and ops
     assert {c.mesh for c in kept if c.component == "ringattn"} == {(("cp", 1),)}  # the only world there is

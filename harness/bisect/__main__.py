@@ -131,9 +131,11 @@ def _bisect(args, original: Config | None, cells: list[Config], trials: Trials, 
     target = first.signature
     trials.best = original
     search = Search(original)
+    seen = {original: first.signature}  # each config's own signature: the summary names the minimal's
 
     def holds(cfg: Config):
         trial = trials.run(cfg)
+        seen[cfg] = trial.signature
         if trial.signature.kind in ("skip", "invalid"):
             return None
         if target.holds_in(trial.signature):
@@ -148,15 +150,18 @@ def _bisect(args, original: Config | None, cells: list[Config], trials: Trials, 
         raise
     roles = search.fields()
     seconds = time.monotonic() - started
-    result = {"verdict": "divergence", "original": original.id, "minimal": minimal.id, "signature": str(target),
-              "kind": target.kind, "tensors": list(target.tensors), **roles, "trials": trials.count,
+    own = seen.get(minimal, target)
+    result = {"verdict": "divergence", "original": original.id, "minimal": minimal.id, "signature": str(own),
+              "original_signature": str(target), "kind": own.kind, "tensors": list(own.tensors), **roles,
+              "trials": trials.count,
               "seconds": round(seconds, 2), "reproduce": _reproduce(minimal)}
     place = _localise(minimal, trials) if trials.pool is not None else None
     if place is not None:
         result["localisation"] = place.as_json()
     _write_result(out, result)
     essential = ", ".join(roles["essential"]) or "none beyond the component itself"
-    print(f"\nminimal: {minimal.id} fails with {target}; essential: {essential}; "
+    original_line = "" if minimal == original else f" (the original {original.id}: {target})"
+    print(f"\nminimal: {minimal.id} fails with {own}{original_line}; essential: {essential}; "
           f"{trials.count} trials, {seconds:.1f} s")
     if place is not None:
         print(place.summary())

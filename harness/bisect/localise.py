@@ -28,12 +28,16 @@ from ..compare.tolerance import tolerance
 def recorded_run(ctx, payload: tuple[str, Config]) -> dict:
     """Pool task: the cell's implementation (its import path: the rank processes do not see
     registrations made in the parent's conftest) with event recording on, on this rank."""
+    from ..world import explained, user_line
+
     path, cfg = payload
     with events.recording() as log:
         try:
             result, error = load(path)(ctx, cfg), ""
         except Exception as raised:  # the events up to a crash still say where it went wrong
-            result, error = None, f"{type(raised).__name__}: {raised}"
+            first = (str(raised).strip().splitlines() or [""])[0]
+            result = None
+            error = explained(raised, ctx.layout.world) or f"{type(raised).__name__}: {first}{user_line(raised)}"
     return {"result": result, "events": log, "error": error}
 
 
@@ -44,7 +48,7 @@ def _numbered(log: list[events.Event]) -> list[events.Event]:
     for event in log:
         seen[event.key] += 1
         if seen[event.key] > 1:
-            event = events.Event(f"{event.key} #{seen[event.key]}", event.inputs, event.outputs)
+            event = events.Event(f"{event.key} #{seen[event.key]}", event.inputs, event.outputs, event.hooked)
         out.append(event)
     return out
 
@@ -57,6 +61,7 @@ class Finding:
     inputs: list[Row] = field(default_factory=list)
     outputs: list[Row] = field(default_factory=list)
     note: str = ""  # why it could not be compared
+    hooked: bool = False  # its outputs are what hooks registered on the module returned (events.Event)
 
     @property
     def diverges(self) -> bool:
@@ -83,14 +88,20 @@ class Localisation:
     origin: Finding | None = None
     result_ok: bool | None = None  # whether this run's end result matched the reference
     unrecorded: list[str] = field(default_factory=list)  # reference events the implementation lacks
+    errors: dict[int, str] = field(default_factory=dict)  # rank -> what it raised while recording
     uncompared: list[Finding] = field(default_factory=list)
     # with complete=True: every event, compared or not, in the reference's order (the report's heatmap)
     findings: list[Finding] = field(default_factory=list)
 
     def summary(self) -> str:
+        if self.implementation_events == 0 and self.errors:
+            ranks = sorted(self.errors)
+            first = self.errors[ranks[0]]
+            return (f"no events: the run raised before it recorded any, on ranks {ranks}: {first}; "
+                    "so bisect cannot say where the divergence starts, only that it crashes there")
         if self.implementation_events == 0:
-            return ("no events: this implementation records none (see README, 'Events for bisect'), "
-                    "so bisect cannot say where the divergence starts")
+            return ("no events: this implementation records none (docs/bisect-and-explore.md, 'Events for "
+                    "bisect'), so bisect cannot say where the divergence starts")
         unrecorded = (f"; {len(self.unrecorded)} reference events were not recorded by the implementation"
                       if self.unrecorded else "")
         if self.first_diverging is None:
@@ -121,7 +132,7 @@ class Localisation:
                 "compared": self.compared, "result_matches": self.result_ok,
                 "first_diverging": one(self.first_diverging), "last_matching": self.last_matching or None,
                 "origin": one(self.origin),
-                "unrecorded": self.unrecorded[:20]}
+                "unrecorded": self.unrecorded[:20], "errors": self.errors}
 
 
 def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
@@ -149,13 +160,14 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
     sizes = component.reduction_size(cfg)
     tol = tolerance(cfg.dtype, sizes if isinstance(sizes, int) else sizes["*"])
     layout = MeshLayout.of(cfg.mesh)
-    found = Localisation(len(reference), len(parallel), result_ok=result_ok)
+    found = Localisation(len(reference), len(parallel), result_ok=result_ok,
+                         errors={r: got["error"] for r, got in per_rank.items() if got["error"]})
     for want in reference:
         ranks = parallel.get(want.key)
         if not ranks:
             found.unrecorded.append(want.key)
             continue
-        finding = Finding(want.key)
+        finding = Finding(want.key, hooked=any(e.hooked for e in ranks.values()))
         if complete:
             found.findings.append(finding)
         try:

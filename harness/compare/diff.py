@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -52,10 +53,18 @@ class Report:
     def failing(self) -> list[Row]:
         return [r for r in self.rows if not r.ok]
 
-    def table(self, only_failing: bool = True) -> str:
+    def table(self, only_failing: bool = True, first: Callable[[str], int] | None = None,
+              most: int | None = None) -> str:
+        """The rows as a table: the failing ones (``only_failing``), sorted by ``first(tensor)``
+        (stable: the comparison's order otherwise), at most ``most`` of them with a line that says
+        how many more there are."""
         import pandas as pd
 
         rows = self.failing() if only_failing else self.rows
+        if first is not None:
+            rows = sorted(rows, key=lambda r: first(r.tensor))
+        more = len(rows) - most if most is not None and len(rows) > most else 0
+        rows = rows[:len(rows) - more]
         frame = pd.DataFrame(
             [
                 {
@@ -76,7 +85,9 @@ class Report:
             ]
         )
         with pd.option_context("display.width", 250, "display.max_columns", 20, "display.max_colwidth", 40):
-            return frame.to_string(index=False, na_rep="", float_format=lambda v: f"{v:.4g}")
+            text = frame.to_string(index=False, na_rep="", float_format=lambda v: f"{v:.4g}")
+        return text + (f"\n... and {more} more rows (the whole table: the cell's junit record, "
+                       "python -m harness.report)" if more else "")
 
 
 def _as_assembled(value) -> Assembled:

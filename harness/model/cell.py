@@ -2,9 +2,10 @@
 
 A ``build`` or ``parallelize`` that goes through files (``save_pretrained`` on one rank, then
 ``from_pretrained(..., tp_plan=..., device_mesh=...)`` on all) needs a directory every rank of the
-cell reads, empty at the cell's start. In the pool it is the cell's pytest ``tmp_path`` (removed with
-a passing cell, kept with a failing one, as pytest keeps ``tmp_path``); under torchrun, a directory
-under the job's scratch (``PARITYTEST_SCRATCH`` for one that all hosts see).
+cell reads, empty at the cell's start. In the pool it is removed after a passing cell and moved into
+the test's ``tmp_path`` after a failing one (pytest keeps it as it keeps a failed test's, and the
+failure says where); under torchrun, a directory under the job's scratch (``PARITYTEST_SCRATCH``
+for one that all hosts see).
 """
 from __future__ import annotations
 

@@ -26,12 +26,14 @@ from .case import ModelCase
 
 
 def diagnose(case: ModelCase, cfg: Config, pool, report, rerun: bool) -> Diagnosis:
-    """The diagnosis of a model cell: losses always; for a failing cell, the first diverging
-    parameter gradients and, when ``rerun`` and ``pool`` can run it again, the module events."""
+    """The diagnosis of a model cell: losses always; for a failing cell, where it starts (when
+    ``rerun`` and ``pool`` can run it again: the module events), the first diverging parameter
+    gradients, and the order its table lists tensors in."""
     record: dict = {"losses": losses(report)}
     if report.ok:
         return Diagnosis(record={"model": record})
-    lines = []
+    params = [n for n, _ in start_model(case, cfg).named_parameters()]
+    lines, first = [], None
     if rerun and pool.can_rerun:
         try:
             found = localise(cfg, pool, complete=True)
@@ -39,9 +41,11 @@ def diagnose(case: ModelCase, cfg: Config, pool, report, rerun: bool) -> Diagnos
             record["modules_error"] = f"{type(error).__name__}: {error}"
         else:
             record["modules"] = module_rows(found)
-            lines = first_module(found)
-    gradients = first_gradients(case, cfg, report)
-    return Diagnosis("\n".join(lines + ([gradients] if gradients else [])), {"model": record})
+            first, line = where_it_starts(found, report)
+            lines.append(line)
+    gradients = first_gradients(params, report)
+    return Diagnosis("\n".join(lines + ([gradients] if gradients else [])), {"model": record},
+                     order=table_order(params, first))
 
 
 def losses(report) -> dict[str, list[float]]:
@@ -71,31 +75,83 @@ def module_of(key: str) -> str:
     return f"{where.get('module', '?')} ({phase}, step {where.get('step', '?')}, microbatch {where.get('microbatch', '?')})"
 
 
-def first_module(found) -> list[str]:
-    """The first module whose output (forward) or input gradient (backward) diverges, and whether its
-    inputs still matched; then the localisation's own summary."""
-    first = found.first_diverging
-    if first is not None and first.starts_here:
-        line = (f"first diverging module: {module_of(first.key)}: its inputs still match the reference, "
-                "its outputs do not")
-    elif first is not None:
-        before = f" after {module_of(found.last_matching)}" if found.last_matching else ""
-        line = (f"first diverging module: {module_of(first.key)}; what it received already differs: the "
-                f"divergence starts{before} in code no module hook sees (between modules, the loss, a hook)")
-    elif found.compared == 0:
-        line = ("first diverging module: not known: no module's tensors could be placed on the mesh to compare "
-                "(a pipeline's microbatches are not slices of the global batch)")
-    else:
-        line = ("first diverging module: none: every module's outputs and input gradients match the reference, "
-                "so the divergence is in the gradient reduction, the optimizer step or the loss reduction")
-    return [line, found.summary()]
+def _where(key: str) -> dict[str, str]:
+    return dict(re.findall(r"(\w+)=(\S+)", key))
 
 
-def first_gradients(case: ModelCase, cfg: Config, report, most: int = 3) -> str:
-    """The parameters whose step-1 gradient diverges, in the order backward computes them (the last
-    module's first), each with its module and what is wrong; "" when every gradient matches."""
+def _owned(module: str, report) -> list[str]:
+    """The parameters of ``module`` itself (not its children's) whose step-1 gradient diverges."""
+    out = []
+    for row in report.failing():
+        name = parse(row.tensor)
+        if name.kind == "grad" and name.step is None and name.param.rpartition(".")[0] == module:
+            out.append(name.param.rpartition(".")[2])
+    return list(dict.fromkeys(out))
+
+
+def where_it_starts(found, report) -> tuple[str | None, str]:
+    """The first diverging module and the line that names it: in the forward pass of step 1, the
+    first module whose judged output diverges; where every judged forward output matches, in the
+    backward pass, the first module (in the order backward reaches them) whose input gradient or
+    own parameters' gradients (the cell's comparison) diverge. Events with nothing placed are not
+    judged."""
+    step1 = [f for f in found.findings if _where(f.key).get("step") == "1"]
+    judged = [f for f in step1 if f.inputs or f.outputs]
+    diverging = [f for f in judged if f.key.startswith("fwd") and f.diverges]
+    # what hooks parallelize put on a module may hand back per-rank forms by design: such an output is
+    # where a divergence starts only when nothing else is and the step's loss differs
+    by_hooks = [f for f in diverging if f.hooked and f.starts_here]
+    forward = next((f for f in diverging if f not in by_hooks), None)
+    loss_differs = any(parse(r.tensor) == parse("loss/step1") for r in report.failing())
+    if forward is None and by_hooks and loss_differs:
+        hooked = by_hooks[-1]
+        return _where(hooked.key)["module"], (
+            f"first diverging module: {module_of(hooked.key)}: its inputs still match the reference, what it returns "
+            "through the hooks parallelize registered on it does not, and the loss of step 1 differs")
+    if forward is not None:
+        module = _where(forward.key)["module"]
+        if forward.starts_here:
+            return module, (f"first diverging module: {module_of(forward.key)}: its inputs still match the "
+                            "reference, its outputs do not")
+        return module, (f"first diverging module: {module_of(forward.key)}; what it received already differs: "
+                        "the divergence starts before it, in code no module hook sees (between modules, a hook)")
+    for event in (f for f in step1 if f.key.startswith("bwd")):
+        module = _where(event.key)["module"]
+        own = _owned(module, report)
+        passes_on = any(not r.ok for r in event.outputs)
+        if not (own or passes_on):
+            continue
+        received = ("is not compared" if not event.inputs else
+                    "still matches" if all(r.ok for r in event.inputs) else "already differs")
+        wrong = " and ".join((["its input gradient"] if passes_on else [])
+                             + ([f"its parameters' gradients ({', '.join(own)})"] if own else []))
+        head = module_of(event.key) if passes_on else f"{module} (parameter gradients, step 1)"
+        forward_text = ("every judged forward output matches" if not diverging else
+                        "the forward outputs that differ are what hooks hand back per rank")
+        return module, (f"first diverging module: {head}, in the backward pass: {forward_text}, the gradient it "
+                        f"received {received}, {wrong} {'do' if own or ' and ' in wrong else 'does'} not")
+    if not judged:
+        return None, ("first diverging module: not known: no module's tensors could be placed on the mesh to "
+                      "compare (outputs its styles make per rank, or tensors of no batch layout)")
+    return None, ("first diverging module: none: every judged module's outputs and gradients match the "
+                  "reference, so the divergence is in the gradient reduction, the optimizer step or the loss")
+
+
+def table_order(params: list[str], first: str | None) -> list[str]:
+    """The parameters whose tensors a failing model cell's table lists first: the first diverging
+    module's, then every parameter in the order backward computes them (the last module's first);
+    the rest (losses) follow."""
+    backward = list(reversed(params))
+    if first is None:
+        return backward
+    return [p for p in backward if p.rpartition(".")[0] == first] + [p for p in backward if p.rpartition(".")[0] != first]
+
+
+def first_gradients(names: list[str], report, most: int = 3) -> str:
+    """The parameters (``names``: in forward order) whose step-1 gradient diverges, in the order
+    backward computes them (the last module's first), each with its module and what is wrong; ""
+    when every gradient matches."""
     failing = {row.tensor: row for row in report.failing()}
-    names = [n for n, _ in start_model(case, cfg).named_parameters()]
     bad = [(n, failing[grad_name(n)]) for n in reversed(names) if grad_name(n) in failing]
     if not bad:
         return ""

@@ -1,19 +1,28 @@
-"""The first diverging module, for free: forward hooks on every submodule record events.
+"""The first diverging module, for free: hooks on every submodule record events.
 
-On the re-run of a failing cell (and in bisect) only, with :func:`harness.events.recording` on,
-every submodule's call records ``fwd module module=<name> microbatch=<call> step=<k>`` with its
-first tensor input and its tensor outputs, and, when autograd computes them, ``bwd module ...``
-with the gradients of its outputs (inputs) and of its input (outputs), as :func:`harness.events.op`
-does for an operation. ``microbatch`` counts the module's calls within a step (a pipeline runs it
-once per microbatch). Off the re-run no hook is installed: the matrix pays nothing.
+When a failing cell runs again (and in bisect), with :func:`harness.events.recording` on, every
+submodule's call records ``fwd module module=<name> microbatch=<call> step=<k>`` with its first
+tensor input and its tensor outputs, and, when autograd computes them, ``bwd module ...`` with the
+gradients of its outputs (inputs) and of its input (outputs), as :func:`harness.events.op` does for
+an operation. ``microbatch`` counts the module's calls within a step (a pipeline runs it once per
+microbatch). Off those runs no hook is installed: the matrix pays nothing.
 
 The reference records logical tensors; a rank records its piece: a DTensor by its placements, a
 plain tensor as this rank's rows of the batch (dim 0 over rep·dp, ``seq_dim`` over cp). A plain
-tensor that is not laid out so (a tensor-parallel local shard) does not assemble, and that event
-is reported as uncompared rather than as a divergence.
+tensor that is not laid out so does not assemble, and that event is reported as uncompared rather
+than as a divergence.
+
+A module that ``parallelize`` gave hooks of its own (a TP or EP style, a wrapper's) is *hooked*: its
+hooks may turn what its forward takes and gives into per-rank forms by design (dispatched tokens, an
+EP router's masked scores and remapped indices). So its input is recorded as the caller passed it
+(before the hooks that transform inputs), its output as the module returns it to the caller, and its
+event is marked (``Event.hooked``): an output that differs there while its input matches is not
+named as where a divergence starts unless nothing else explains a diverging loss
+(:mod:`harness.model.diagnose`).
 """
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from typing import Any, Callable
 
@@ -38,16 +47,33 @@ def _tensors(value: Any, prefix: str) -> dict[str, torch.Tensor]:
     return {}
 
 
+def _inferring_shapes() -> bool:
+    """Whether torch's ``PipelineStage`` is running its stage once to infer shapes (at its first step,
+    on the first microbatch's or on empty tensors): no call of the model's."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "_forward_metadata_inference" and "pipelining" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class Recorder:
     """Hooks on every submodule of ``modules``; ``step`` is set by the training loop.
 
-    ``place``: (tensor, module name, tensor name) -> Piece on a rank (None: the logical tensor, in
-    the reference)."""
+    ``place``: (tensor, module name, tensor name) -> Piece on a rank, or None when the tensor
+    cannot be placed (None for ``place`` itself: the logical tensor, in the reference)."""
 
     def __init__(self, modules: list[nn.Module],
-                 place: Callable[[torch.Tensor, str, str], Piece | None] | None = None, grad_scale: float = 1.0):
-        self.step = 0
+                 place: Callable[[torch.Tensor, str, str], Piece | None] | None = None,
+                 grad_scale: float = 1.0, microbatches: bool = False):
+        self._step = 0
         self.place = place
+        # a pipeline calls each of its modules once per microbatch: the calls of a step are joined on
+        # dim 0 in microbatch order (the schedule's contiguous split of this rank's rows), one event
+        # as the whole model's; its gradients are scaled as the schedule chose, so not compared
+        self.microbatches = microbatches
+        self._pending: dict[tuple[str, int], list[tuple[dict, dict, bool]]] = {}
         # a rank's loss is the mean over its own slice of the batch: its activation gradients are
         # those of the global mean loss times the number of slices, which this factor undoes
         self.grad_scale = grad_scale
@@ -55,33 +81,74 @@ class Recorder:
         self.handles = []
         for root in modules:
             for name, module in root.named_modules():
-                if name:
-                    self.handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
+                if not name:
+                    continue
+                hooked = bool(module._forward_hooks or module._forward_pre_hooks)
+                inputs: dict[int, Any] = {}  # id(module) -> the call's input as the caller gave it
+                self.handles.append(module.register_forward_pre_hook(
+                    self._take_input(inputs), with_kwargs=True, prepend=True))
+                self.handles.append(module.register_forward_hook(self._hook(name, hooked, inputs), with_kwargs=True))
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._flush()
+        self._step = value
 
     def remove(self) -> None:
+        self._flush()
         for handle in self.handles:
             handle.remove()
+
+    def _flush(self) -> None:
+        """A pipeline's calls of each module in a step, joined into the one event the reference has."""
+        for (name, step), calls in self._pending.items():
+            where = {"module": name, "step": step, "microbatch": 0}
+            joined = []
+            for role in (0, 1):
+                names = set.intersection(*(set(call[role]) for call in calls))
+                joined.append({n: torch.cat([call[role][n] for call in calls]) for n in sorted(names)
+                               if len({call[role][n].shape[1:] for call in calls}) == 1 and calls[0][role][n].dim()})
+            self._record("fwd", where, joined[0], joined[1], calls[0][2])
+            events.append(events.Event(events.key("bwd", "module", where)))
+        self._pending.clear()
 
     def _piece(self, tensor: torch.Tensor, module: str, name: str) -> Piece | None:
         if self.place is None:
             return Piece.full(tensor.detach().clone())
         return self.place(tensor, module, name)
 
-    def _hook(self, name: str):
-        def hook(module, args, kwargs, output):
-            if not events.active():
-                return
-            where = {"module": name, "step": self.step, "microbatch": self.calls[name, self.step]}
-            self.calls[name, self.step] += 1
-            first = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
-            inputs = {"input": first} if first is not None and first.is_floating_point() else {}
-            outputs = _tensors(output, "output")
-            self._record("fwd", where, inputs, outputs)
-            self._backward(where, inputs, outputs)
+    @staticmethod
+    def _take_input(inputs: dict):
+        def hook(module, args, kwargs):
+            if events.active():
+                inputs[id(module)] = next((a for a in list(args) + list(kwargs.values())
+                                           if isinstance(a, torch.Tensor)), None)
         return hook
 
-    def _record(self, phase: str, where: dict, inputs: dict, outputs: dict) -> None:
-        event = events.Event(events.key(phase, "module", where))
+    def _hook(self, name: str, hooked: bool, taken: dict):
+        def hook(module, args, kwargs, output):
+            if not events.active() or (self.microbatches and _inferring_shapes()):
+                return
+            outputs = _tensors(output, "output")
+            where = {"module": name, "step": self._step, "microbatch": self.calls[name, self._step]}
+            self.calls[name, self._step] += 1
+            first = taken.pop(id(module), None)
+            inputs = {"input": first} if first is not None and first.is_floating_point() else {}
+            if self.microbatches:
+                self._pending.setdefault((name, self._step), []).append(
+                    tuple({n: t.detach().clone() for n, t in tensors.items()} for tensors in (inputs, outputs))
+                    + (hooked,))
+                return
+            self._record("fwd", where, inputs, outputs, hooked)
+            self._backward(where, inputs, outputs, hooked)
+        return hook
+
+    def _record(self, phase: str, where: dict, inputs: dict, outputs: dict, hooked: bool) -> None:
+        event = events.Event(events.key(phase, "module", where), hooked=hooked)
         for role, tensors in (("inputs", inputs), ("outputs", outputs)):
             for n, t in tensors.items():
                 piece = self._piece(t, where["module"], n)
@@ -91,7 +158,7 @@ class Recorder:
                     getattr(event, role)[n] = piece
         events.append(event)
 
-    def _backward(self, where: dict, inputs: dict, outputs: dict) -> None:
+    def _backward(self, where: dict, inputs: dict, outputs: dict, hooked: bool) -> None:
         """The bwd event: gradients of the outputs (its inputs) and of the input (its output),
         recorded when the input's gradient arrives (or the outputs', for a module whose input needs none)."""
         needs = {n: t for n, t in inputs.items() if t.requires_grad}
@@ -104,7 +171,7 @@ class Recorder:
         def finish(grads_out: dict):
             if not done:
                 done.append(True)
-                self._record("bwd", where, dict(grads_in), grads_out)
+                self._record("bwd", where, dict(grads_in), grads_out, hooked)
 
         def on_output(n: str):
             def hook(grad):

@@ -72,10 +72,11 @@ def _recorder(trainer: OnRank, case: ModelCase, cfg: Config) -> Recorder:
     whole = start_model(case, cfg)
     shapes = logical_shapes(whole, lambda: case.forward(whole, global_batch(case, 0)))
     s = trainer.spec
-    # a pipeline's activations are per microbatch: their rows are no slice of the global batch
-    # (a microbatch's rows could pass for a tp shard by their shape), so only parameters are named
-    return Recorder(trainer.modules, lambda t, module, name: None if trainer.pipelined else activation(
-        t, trainer.degrees, batch_dims, shapes.get((module, name))), grad_scale=1.0 / (s.rep * s.dp * s.cp))
+
+    # a pipeline's modules run once per microbatch: the recorder joins a step's calls in their order
+    return Recorder(trainer.modules, lambda t, module, name: activation(
+        t, trainer.degrees, batch_dims, shapes.get((module, name))), grad_scale=1.0 / (s.rep * s.dp * s.cp),
+        microbatches=trainer.pipelined is not None)
 
 
 def placed(trainer: OnRank, tensors: dict[str, torch.Tensor]) -> dict[str, Piece]:

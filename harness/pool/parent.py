@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -358,6 +359,12 @@ class Pool:
             self._built.add((mesh, extra))
         return self._task_in_scratch(fn, payload, mesh, extra, seed, world,
                                      self.deadline if deadline is None else deadline, label, scratch)
+
+    def new_scratch(self) -> str:
+        """An empty directory for a caller's task (``run(scratch=...)``), in the pool's own temporary
+        directory: gone with the pool whatever happens, removed or kept by the caller before that."""
+        self.start()
+        return tempfile.mkdtemp(prefix="cell", dir=self._tmp)
 
     def reference(self, path: str, cfg, *, extra_meshes=(), deadline: float | None = None):
         """``path(cfg)``, a cell's single-process reference, computed by the pool's first rank: a

@@ -172,7 +172,7 @@ def table_rows(text: str) -> list[dict[str, str]]:
 def _norm_ratio(case: TestCase) -> str:
     """The norm ratio of the worst wrong-valued tensor (a scaling bug's signature). The recorded
     worst row may be a ``replicas`` row, whose norm ratio says nothing."""
-    wrong = [r for r in table_rows(case.text or case.message) if r["problem"] in ("mismatch", "nan/inf")]
+    wrong = [r for r in table_rows(_failure_text(case)) if r["problem"] in ("mismatch", "nan/inf")]
     try:
         worst = max(wrong, key=lambda r: float(r["err/tol"]))
         return f"{float(worst['norm ratio']):.4g} (`{worst['tensor']}`)"
@@ -188,8 +188,17 @@ def _failure_line(case: TestCase) -> list:
 
 
 def _failure_text(case: TestCase) -> str:
+    """The failure as the run printed it, with the whole table where the run showed its first rows."""
     text = case.text.strip() or case.message.strip()
-    return text
+    whole = (case.record or {}).get("table")
+    if not whole:
+        return text
+    lines = text.splitlines()
+    head = next((i for i, line in enumerate(lines) if line.lstrip().startswith("tensor ")), None)
+    tail = next((i for i, line in enumerate(lines) if line.startswith("... and ") and "more rows" in line), None)
+    if head is None or tail is None:
+        return text
+    return "\n".join(lines[:head] + whole.splitlines() + lines[tail + 1:])
 
 
 def summary(results: Results, golden_diff: str = "", heatmaps: dict[str, Path] | None = None,

@@ -140,6 +140,11 @@ class RankRunner:
             if gather == "all":
                 self.watchdog.disarm()
 
+    def new_scratch(self) -> None:
+        """None: a rank's pytest ``tmp_path`` is its own, so the ranks share a directory under the
+        job's scratch instead (:meth:`run`)."""
+        return None
+
     def reference(self, path: str, cfg, **_):
         """``path(cfg)``, a cell's single-process reference, in this process (rank 0 judges)."""
         from ..paths import load
