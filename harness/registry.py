@@ -64,6 +64,10 @@ class Space:
     sizes: dict[str, tuple[int, int]]  # size key -> (smallest, largest) value to draw
     switches: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key -> every value
     dtypes: tuple[str, ...] = ("fp32", "bf16")
+    ordered: bool = False  # a mesh names its dims in the order of ``dims`` (a whole model's: slowest first)
+    # draw these switches only, not also those ``Component.simplest`` orders for bisect (a whole
+    # model's ep and etp, which a model without experts does not have)
+    only_these: bool = False
 
 
 @dataclass
@@ -97,17 +101,26 @@ class Component:
     # "module:function", (cfg, pool, report, rerun) -> Diagnosis: what a cell adds to its verdict;
     # ``rerun`` says whether a failing cell may be run again to find where it diverges
     diagnose: str | None = None
-    # For exploration: the space its configs are drawn from (None: it cannot be explored yet)
-    space: Space | None = None
+    # For exploration: the space its configs are drawn from, or the "module:function" path that returns
+    # it (a whole model's, from its case); None: it cannot be explored yet
+    space: Space | str | None = None
     # A cell's deadline is --case-deadline times this (a whole model's ten steps on 8 gloo ranks of a
     # loaded 2-core machine outlast the 30 s a component cell gets)
     deadline_factor: float = 1.0
     # a whole model's ModelCase ("module:CASE"); None for a component
     case: str | None = None
 
+    def exploration_space(self) -> Space | None:
+        """The space exploration draws from: ``space``, or what its path returns."""
+        return load(self.space)() if isinstance(self.space, str) else self.space
+
     def switch_values(self) -> dict[str, tuple[str, ...]]:
-        """Every value of every switch: ``simplest``'s order where it gives one, else ``space``'s."""
-        return {**(self.space.switches if self.space else {}), **self.simplest}
+        """Every value of every switch exploration draws: ``simplest``'s order where it gives one,
+        else ``space``'s (``space``'s alone where it says ``only_these``)."""
+        space = self.exploration_space()
+        if space is not None and space.only_these:
+            return dict(space.switches)
+        return {**(space.switches if space else {}), **self.simplest}
 
     def check(self, cfg: Config) -> None:
         if cfg.impl not in self.implementations:

@@ -47,8 +47,10 @@ def fields(cfg: Config) -> Iterator[tuple[str, list[Step]]]:
         yield f"mesh:{name}", options
     if cfg.dtype != SIMPLEST_DTYPE:
         yield "dtype", [Step("dtype", cfg.dtype, SIMPLEST_DTYPE, cfg.replace(dtype=SIMPLEST_DTYPE))]
+    # a whole model's own switches are ordered by its case (the default, the simplest, first)
+    own = component.switch_values() if component.case is not None else {}
     for key, value in cfg.switches:
-        order = component.simplest.get(key, ())
+        order = component.simplest.get(key) or own.get(key, ())
         simpler = order[: order.index(value)] if value in order else ()
         yield f"switch:{key}", [Step(f"switch:{key}", value, v, cfg.replace(switches=dict(cfg.switches, **{key: v})))
                                 for v in simpler]

@@ -20,19 +20,21 @@ from __future__ import annotations
 
 import torch
 
-from harness.model import ModelCase, model_cells
+from harness.model import ModelCase, model_cells, switches
 
 from harness.examples.llama_hf import batch, distribute, forward, loss
 
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, EXPERTS, TOP_K = 64, 16, 16, 2, 4, 2, 4, 2
 
 
-def config(eager: bool = True):
-    """The tiny config; ``eager``: eager attention and experts, else transformers' defaults (sdpa,
-    grouped_mm)."""
+def config(eager: bool = True, experts: str = "eager"):
+    """The tiny config; ``eager``: eager attention, and the experts kernel ``experts`` (eager,
+    batched: batched_mm, grouped: transformers' default grouped_mm); else transformers' defaults
+    (sdpa, grouped_mm)."""
     from harness.examples.hf import Qwen3MoeConfig
 
-    kernels = {"attn_implementation": "eager", "experts_implementation": "eager"} if eager else {}
+    kernel = {"eager": "eager", "batched": "batched_mm", "grouped": "grouped_mm"}[experts]
+    kernels = {"attn_implementation": "eager", "experts_implementation": kernel} if eager else {}
     return Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * FFN,
                           moe_intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                           num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS, num_experts=EXPERTS,
@@ -41,10 +43,10 @@ def config(eager: bool = True):
                           **kernels)
 
 
-def build(eager: bool = True):
+def build(eager: bool = True, experts: str = "eager"):
     from harness.examples.hf import Qwen3MoeForCausalLM
 
-    model = Qwen3MoeForCausalLM(config(eager))
+    model = Qwen3MoeForCausalLM(config(eager, experts))
     with torch.no_grad():
         for layer in model.model.layers:
             torch.nn.init.normal_(layer.mlp.gate.weight, std=HIDDEN ** -0.5)
@@ -78,8 +80,16 @@ def known(cfg) -> str | None:
     return None
 
 
-CASE = ModelCase(build=build, batch=batch, loss=loss, forward=forward, parallelize={"ep": ep},
-                 supports={"ep": _ep_fits}, xfail={"ep": known})
+def build_switched():
+    """The model with the experts kernel the cell's ``experts`` switch names (eager by default)."""
+    return build(experts=switches()["experts"])
+
+
+# exploration draws the experts kernel and the expert mesh (python -m harness.explore qwen3moe)
+CASE = ModelCase(build=build_switched, batch=batch, loss=loss, forward=forward, parallelize={"ep": ep},
+                 supports={"ep": _ep_fits}, xfail={"ep": known},
+                 switches={"experts": ("eager", "batched", "grouped"), "ep": ("1", "2", "4")},
+                 fp32_ops=("_grouped_mm",))
 
 
 def cells():

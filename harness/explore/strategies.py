@@ -39,17 +39,21 @@ class NoSpace(ConfigError):
 
 
 def space_of(component: Component):
-    if component.space is None:
+    space = component.exploration_space()
+    if space is None:
         raise NoSpace(f"component {component.name!r} declares no exploration space: add "
                       "space=Space(dims=..., sizes=..., switches=...) to its register_component(...)")
-    return component.space
+    return space
 
 
 @st.composite
-def meshes(draw, dims: tuple[str, ...], pool_size: int) -> tuple[tuple[str, int], ...]:
-    """Up to three named dims in any order, degrees whose product fits the pool; a dim after the
-    first has a degree of 2 or more (a dim of 1 only renames the same cell)."""
+def meshes(draw, dims: tuple[str, ...], pool_size: int, ordered: bool = False) -> tuple[tuple[str, int], ...]:
+    """Up to three named dims in any order (``ordered``: in the order of ``dims``), degrees whose
+    product fits the pool; a dim after the first has a degree of 2 or more (a dim of 1 only renames
+    the same cell)."""
     names = draw(st.lists(st.sampled_from(dims), min_size=1, max_size=min(3, len(dims)), unique=True))
+    if ordered:
+        names = sorted(names, key=dims.index)
     mesh, room = [], pool_size
     for i, name in enumerate(names):
         if i and room < 2:
@@ -83,7 +87,7 @@ def _switches(draw, component: Component) -> dict[str, str]:
 
 def _draft(draw, component: Component, impl: str, pool_size: int, switches: dict[str, str]) -> Config:
     space = space_of(component)
-    mesh = draw(meshes(space.dims, pool_size))
+    mesh = draw(meshes(space.dims, pool_size, space.ordered))
     dtype = draw(st.sampled_from(space.dtypes))
     drawn = draw(sizes(space.sizes, mesh))
     seed = draw(st.integers(0, MAX_SEED))

@@ -3,7 +3,7 @@ optimizer steps on the harness's meshes, against the same model on one process i
 
 Public API::
 
-    from harness.model import ModelCase, Pipelined, register_model, model_cells, cell_dir
+    from harness.model import ModelCase, Pipelined, register_model, model_cells, cell_dir, switches
 
 * :class:`ModelCase`: ``build``, ``batch``, ``loss``, ``parallelize`` (name -> ``fn(model, meshes)``),
   and optional ``forward``, ``optimizer``, ``steps``, ``seq_dim``, ``placements``, ``reduction``,
@@ -12,12 +12,13 @@ Public API::
   (the rank's ``PipelineStage`` objects and their schedule). A module whose output is a DTensor has
   its loss computed and backpropagated under ``loss_parallel()``.
 * ``cell_dir()``: the directory a cell's ranks share, for a ``parallelize`` that goes through files
-  (``save_pretrained`` / ``from_pretrained``).
+  (``save_pretrained`` / ``from_pretrained``); ``switches()``: the cell's values of the case's own
+  switches (``ModelCase.switches``), which exploration draws.
 * ``register_model(name, case="pkg.mod:CASE")`` registers a Component named ``name``;
   ``model_cells(name, impls=, meshes=, dtypes=, steps=, switches=)`` returns its Configs.
 * Ids: ``<model>-<impl>-<mesh>-<dtype>-<switches>-steps<N>-seed<S>``, mesh dims ``pp``, ``rep``,
   ``dp``, ``cp``, ``tp`` (in that order, :mod:`harness.names`), switches ``ep_<N>``, ``etp_<N>``,
-  ``reshard_<layout>``.
+  ``reshard_<layout>`` and the case's own.
 * Results: ``loss/step<k>`` (k from 1), ``grad/<param>`` (step 1), ``param/<param>`` and
   ``opt/<state>/<param>`` (after the last step), parameter names as ``named_parameters()`` of the
   unparallelized model gives them (tied parameters under their first name).
@@ -32,7 +33,7 @@ ranks and in the reference (``tasks.py``, the entry points bound to the case) ->
 ``register.py`` makes a case a Component.
 """
 from .case import ModelCase, Pipelined
-from .cell import cell_dir
+from .cell import cell_dir, switches
 from .register import model_cells, register_model
 
-__all__ = ["ModelCase", "Pipelined", "cell_dir", "model_cells", "register_model"]
+__all__ = ["ModelCase", "Pipelined", "cell_dir", "model_cells", "register_model", "switches"]

@@ -20,6 +20,8 @@ from torch import nn
 ADAMW = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-3, weight_decay=0.01)
 
 MIXED_PRECISION = ("autocast", "bf16")
+# the switches every model cell may take: the expert mesh and the reshard round trip (plan.py)
+MESH_SWITCHES = ("ep", "etp", "reshard")
 
 
 def default_forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
@@ -103,6 +105,12 @@ class ModelCase:
       TP-only plan on a dp mesh), or None; such cells are invalid for it, not skipped.
     * ``xfail``: implementation name -> ``fn(cfg) -> str | None``: why a cell is known to diverge
       upstream; it runs as a strict xfail.
+    * ``switches``: the case's own switches, name -> values (the first the default and the
+      simplest): kernel choices, tied or untied embeddings, anything ``build``, ``batch``,
+      ``forward`` or ``parallelize`` read with :func:`harness.model.switches`. A cell names the
+      values it takes in its id (``experts_batched``; ``model_cells(..., switches=...)``), and
+      exploration (``python -m harness.explore <model>``) draws them. ``ep`` and ``etp`` may be
+      listed too, with degrees as values: the expert meshes exploration draws.
     * ``fp32_ops``: aten ops the fp64 reference runs from their fp32 kernel (inputs cast to fp32,
       outputs back to fp64), for kernels with no fp64 implementation on the device, e.g.
       ``("_grouped_mm",)`` for transformers' grouped_mm experts. What such a reference certifies:
@@ -122,6 +130,7 @@ class ModelCase:
     mixed_precision: str = "autocast"
     supports: dict[str, Callable[[Any], str | None]] = field(default_factory=dict)
     xfail: dict[str, Callable[[Any], str | None]] = field(default_factory=dict)
+    switches: dict[str, tuple[str, ...]] = field(default_factory=dict)
     fp32_ops: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -135,5 +144,14 @@ class ModelCase:
             raise ValueError(f"ModelCase.mixed_precision={self.mixed_precision!r}: choose one of {MIXED_PRECISION}")
         if self.steps < 1:
             raise ValueError(f"ModelCase.steps={self.steps}: a model cell takes at least one optimizer step")
+        for name, values in self.switches.items():
+            if name == "reshard" or not re.fullmatch(r"[a-z]+", name):
+                raise ValueError(f"ModelCase.switches name {name!r}: lowercase letters, not 'reshard' "
+                                 f"(it is part of the cell id: {name}_<value>)")
+            if name in MESH_SWITCHES and not all(str(v).isdigit() for v in values):
+                raise ValueError(f"ModelCase.switches[{name!r}] = {values!r}: the expert mesh's degrees, e.g. ('1', '2')")
+            if isinstance(values, str) or not values or not all(re.fullmatch(r"[a-zA-Z0-9]+", v) for v in values):
+                raise ValueError(f"ModelCase.switches[{name!r}] = {values!r}: give a tuple of values of letters "
+                                 "and digits, the default first, e.g. ('eager', 'batched')")
         if isinstance(self.fp32_ops, str):
             raise ValueError(f"ModelCase.fp32_ops={self.fp32_ops!r}: give a tuple of op names, e.g. ('_grouped_mm',)")

@@ -23,6 +23,7 @@ from ..names import grad_name, parse
 from ..registry import Diagnosis
 from .batches import start_model
 from .case import ModelCase
+from .cell import configured
 
 
 def diagnose(case: ModelCase, cfg: Config, pool, report, rerun: bool) -> Diagnosis:
@@ -32,7 +33,8 @@ def diagnose(case: ModelCase, cfg: Config, pool, report, rerun: bool) -> Diagnos
     record: dict = {"losses": losses(report)}
     if report.ok:
         return Diagnosis(record={"model": record})
-    params = [n for n, _ in start_model(case, cfg).named_parameters()]
+    with configured(case, cfg):
+        params = [n for n, _ in start_model(case, cfg).named_parameters()]
     lines, first = [], None
     if rerun and pool.can_rerun:
         try:

@@ -22,9 +22,8 @@ from ..config import Config, ConfigError
 from ..meshes.device_mesh import MeshSpec
 from ..names import DENSE
 from .batches import global_batch
-from .case import ModelCase
+from .case import MESH_SWITCHES, ModelCase
 
-SWITCHES = ("ep", "etp", "reshard")
 ONE = "one"  # reshard_one: the unparallelized model on one process
 _LOAD_DIM = re.compile(r"(pp|rep|dp|cp|tp)(\d+)")
 _AT = re.compile(r"(.*?)at(\d+)")
@@ -41,13 +40,9 @@ def mesh_spec(cfg: Config) -> MeshSpec:
     if names != order:
         raise ConfigError(f"{cfg.id}: mesh dims {','.join(names)} are out of order: write them as "
                           f"{','.join(order)} (slowest first, as harness.meshes lays them out)")
-    extra = sorted(k for k, _ in cfg.switches if k not in SWITCHES)
-    if extra:
-        raise ConfigError(f"{cfg.id}: switch {extra[0]!r} is not a model switch; model switches are "
-                          f"{', '.join(SWITCHES)} (the expert mesh, the reshard round trip)")
     sparse = {}
     for key, value in cfg.switches:
-        if key == "reshard":
+        if key not in ("ep", "etp"):  # the reshard round trip, or the case's own
             continue
         if not value.isdigit():
             raise ConfigError(f"{cfg.id}: switch {key}_{value} must be a degree, e.g. {key}_2")
@@ -86,6 +81,17 @@ def check(case: ModelCase, cfg: Config) -> None:
     sequence dim, the global batch divides over the data ranks; a reshard cell's rules, and the
     model rules again for its load layout."""
     s = mesh_spec(cfg)
+    for key, value in cfg.switches:
+        if key in MESH_SWITCHES:
+            continue
+        if key not in case.switches:
+            own = ", ".join(case.switches) or "none"
+            raise ConfigError(f"{cfg.id}: switch {key!r} is not a model switch; model switches are "
+                              f"{', '.join(MESH_SWITCHES)} (the expert mesh, the reshard round trip) and the "
+                              f"case's own (ModelCase.switches: {own})")
+        if value not in case.switches[key]:
+            raise ConfigError(f"{cfg.id}: switch {key}_{value}: the case declares {key} in "
+                              f"{', '.join(case.switches[key])}")
     if [k for k, _ in cfg.sizes] != ["steps"]:
         raise ConfigError(f"{cfg.id}: a model cell has one size, steps<N> (optimizer steps), e.g. steps3")
     if s.cp > 1 and case.seq_dim is None:

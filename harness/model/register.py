@@ -37,6 +37,7 @@ def model_component(name: str, case: str, impls: Iterable[str], deadline_factor:
         meshes=task("meshes"),
         simplest=dict(SIMPLEST),
         diagnose=f"harness.model.diagnose:diagnose[{case}]",  # the parent's, not the ranks'
+        space=task("space"),
         deadline_factor=deadline_factor,
         case=case,
         implementations={impl: Implementation(impl, task("run"), skip=skip, xfail=task("xfail"),

@@ -4,12 +4,15 @@ first and is bound to it by path (``"harness.model.tasks:run[mypkg.cases:CASE]"`
 
 ``run`` is the rank task (a reshard cell's: its round trip); ``reference`` the one-process fp64
 result; ``check``, ``check_impl``, ``reduction_size``, ``meshes`` and ``xfail`` the cell's plan and
-tolerance, as a component declares them.
+tolerance, as a component declares them; ``space`` what exploration draws. Each runs the case's code
+with the cell's own switches in place (:func:`harness.model.switches`).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -22,7 +25,8 @@ from .. import events
 from ..config import Config
 from ..context import RankContext
 from ..layout import MeshLayout, Piece, Shard, piece_index
-from ..names import parse
+from ..names import DENSE, parse
+from ..registry import Space
 from ..world import CellError
 from . import cell, plan
 from .batches import global_batch, start_model
@@ -32,7 +36,17 @@ from .placement import activation, declared_placements, piece_of
 from .train import OneProcess, OnRank, Trainer, state_of
 
 
+def in_cell(entry: Callable) -> Callable:
+    """``entry(case, ..., cfg)`` with ``cfg``'s switches of the case in place."""
+    @functools.wraps(entry)
+    def wrapped(case: ModelCase, *args):
+        with cell.configured(case, args[-1]):
+            return entry(case, *args)
+    return wrapped
+
+
 # ---- the rank task ----------------------------------------------------------------------------------
+@in_cell
 def run(case: ModelCase, ctx: RankContext, cfg: Config) -> dict[str, Piece]:
     """This rank's part of the cell; an exception raised inside a module names the module."""
     with cell.inside(ctx.scratch):
@@ -184,6 +198,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # ---- the plan, the reference, the tolerance ---------------------------------------------------------
+@in_cell
 def reference(case: ModelCase, cfg: Config) -> dict[str, torch.Tensor]:
     """``loss/step<k>``, ``grad/<p>`` (step 1), ``param/<p>`` and ``opt/<state>/<p>`` (after the last
     step) of the same model on one process in fp64, trained on the whole global batch of every step."""
@@ -227,11 +242,13 @@ def _no_fp64(case: ModelCase, cfg: Config, model: nn.Module, error: BaseExceptio
             f"ModelCase(fp32_ops=({LastOp.name!r},)) (what such a reference certifies: harness.compare.tolerance)")
 
 
+@in_cell
 def check(case: ModelCase, cfg: Config) -> None:
     """The rules every model cell obeys (:func:`harness.model.plan.check`)."""
     plan.check(case, cfg)
 
 
+@in_cell
 def check_impl(case: ModelCase, cfg: Config) -> None:
     """The meshes ``cfg.impl`` supports (``ModelCase.supports``)."""
     plan.check_impl(case, cfg)
@@ -242,6 +259,7 @@ def meshes(case: ModelCase, cfg: Config) -> list:
     return plan.meshes(cfg)
 
 
+@in_cell
 def xfail(case: ModelCase, cfg: Config) -> str | None:
     """Why ``cfg`` is known to diverge upstream (``ModelCase.xfail``), or None."""
     known = case.xfail.get(cfg.impl)
@@ -251,6 +269,7 @@ def xfail(case: ModelCase, cfg: Config) -> str | None:
 _sizes: dict[tuple, int] = {}
 
 
+@in_cell
 def reduction_size(case: ModelCase, cfg: Config) -> int:
     """The ``n`` of the tolerance policy for a model: ``case.reduction`` when given, else the larger
     of the largest fan-in of any ``nn.Linear`` (the terms a forward dot product adds) and the
@@ -258,7 +277,7 @@ def reduction_size(case: ModelCase, cfg: Config) -> int:
     ``batch["input"]`` for integer ids, its rows times sequence otherwise, i.e. all dims but the last)."""
     if case.reduction is not None:
         return int(case.reduction)
-    key = (cfg.component, cfg.seed)
+    key = (cfg.component, cfg.seed, tuple(sorted(cell.switches().items())))
     if key not in _sizes:
         model = start_model(case, cfg)
         fan_in = max((m.in_features for m in model.modules() if isinstance(m, nn.Linear)), default=1)
@@ -267,3 +286,10 @@ def reduction_size(case: ModelCase, cfg: Config) -> int:
         tokens = first.numel() if not first.is_floating_point() else first.numel() // max(1, first.shape[-1])
         _sizes[key] = max(fan_in, tokens)
     return _sizes[key]
+
+
+def space(case: ModelCase) -> Space:
+    """What exploration draws for a model: meshes over its dense dims in their order (the cell's
+    rules keep what the case supports), fp32 and bf16, one to three steps, and the case's own
+    switches."""
+    return Space(dims=DENSE, sizes={"steps": (1, 3)}, switches=dict(case.switches), ordered=True, only_these=True)
