@@ -82,7 +82,8 @@ class Project:
         return cfg
 
     def cells_of(self, component: str) -> list[Config]:
-        """The collected cells of ``component`` (which must be registered), in collection order."""
+        """The collected cells of ``component`` (which must be registered), in the order the test modules
+        declare them (not the order pytest runs them in, the largest worlds first)."""
         self.component(component)
         return [cfg for cfg in self.cells if cfg.component == component]
 
@@ -96,6 +97,7 @@ class _Seen:
         self.failures: list[str] = []
         self.sys_path: list[str] = []
         self.new_cache: Path | None = None  # pytest's cache directory, when this run would create it
+        self.declared: dict[str, int] = {}  # each item's place as the test modules declare it
 
     @pytest.hookimpl(tryfirst=True)  # before junitxml's: a look writes no report over the user's last one
     def pytest_configure(self, config):
@@ -110,9 +112,13 @@ class _Seen:
             lines = [line for line in report.longreprtext.splitlines() if line.strip()]
             self.failures.append(f"{report.nodeid or '.'}: {lines[-1].strip() if lines else 'failed'}")
 
+    @pytest.hookimpl(tryfirst=True)  # before the plugin orders cells by world size for the workers
+    def pytest_collection_modifyitems(self, items):
+        self.declared = {item.nodeid: place for place, item in enumerate(items)}
+
     def pytest_collection_finish(self, session):
         self.config = session.config
-        for item in session.items:
+        for item in sorted(session.items, key=lambda item: self.declared.get(item.nodeid, 0)):
             cfg = getattr(getattr(item, "callspec", None), "params", {}).get("cfg")
             if isinstance(cfg, Config):
                 self.cells[cfg] = None
