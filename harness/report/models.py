@@ -1,4 +1,4 @@
-"""Figures of whole-model cells (``record["model"]``, :mod:`harness.model.record`).
+"""Figures of whole-model cells (``record["model"]``, :mod:`harness.model.diagnose`).
 
 * ``losses-<model>.png``: the loss of every step, the one-process reference (black, one line per
   dtype: each dtype starts from its own rounded weights) and each cell's run on its mesh (one
