@@ -77,15 +77,18 @@ TEST = textwrap.dedent('''\
     ''')
 
 
+def write_project(root: Path, model: str, test: str) -> Path:
+    """A user's project at ``root``: the model case ``worldly``, its conftest and its test module."""
+    root.mkdir()
+    for name, text in (("worldly.py", model), ("conftest.py", CONFTEST), ("test_worldly.py", test),
+                       ("pytest.ini", "[pytest]\n")):
+        (root / name).write_text(text)
+    return root
+
+
 @pytest.fixture
 def project(tmp_path) -> Path:
-    root = tmp_path / "project"
-    root.mkdir()
-    (root / "worldly.py").write_text(MODEL)
-    (root / "conftest.py").write_text(CONFTEST)
-    (root / "test_worldly.py").write_text(TEST)
-    (root / "pytest.ini").write_text("[pytest]\n")
-    return root
+    return write_project(tmp_path / "project", MODEL, TEST)
 
 
 def _pytest(project: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
@@ -142,12 +145,7 @@ LINES = {
 
 
 def test_a_parallelize_that_misuses_the_world_fails_with_one_line_naming_the_fix(tmp_path):
-    project = tmp_path / "project"
-    project.mkdir()
-    (project / "worldly.py").write_text(BAD)
-    (project / "conftest.py").write_text(CONFTEST)
-    (project / "test_worldly.py").write_text(BAD_TEST)
-    (project / "pytest.ini").write_text("[pytest]\n")
+    project = write_project(tmp_path / "project", BAD, BAD_TEST)
     done = _pytest(project, env_for(project), "--pool-size", "4")
     assert done.returncode == 1, done.stdout[-5000:] + done.stderr[-2000:]
     assert "4 failed" in done.stdout, done.stdout[-5000:]
