@@ -58,11 +58,16 @@ def losses(report) -> dict[str, list[float]]:
     return {"reference": [found[s].expected for s in steps], "run": [found[s].actual for s in steps]}
 
 
+def _where(key: str) -> dict[str, str]:
+    """An event key's fields: ``"fwd module module=layers.1 step=1"`` -> ``{"module": "layers.1", "step": "1"}``."""
+    return dict(re.findall(r"(\w+)=(\S+)", key))
+
+
 def module_rows(found) -> list[list]:
     """Every module event of a localisation: [module, phase, step, worst err/tol or None]."""
     out = []
     for finding in found.findings:
-        where = dict(re.findall(r"(\w+)=(\S+)", finding.key))
+        where = _where(finding.key)
         rows = finding.outputs or finding.inputs
         ratio = max((r.ratio for r in rows), default=None) if not finding.note else None
         out.append([where.get("module", "?"), finding.key.split()[0], int(where.get("step", 0)),
@@ -72,13 +77,9 @@ def module_rows(found) -> list[list]:
 
 def module_of(key: str) -> str:
     """``"bwd module microbatch=0 module=layers.1.mlp step=1 #2"`` -> ``"layers.1.mlp (input gradient, step 1, microbatch 0)"``."""
-    where = dict(re.findall(r"(\w+)=(\S+)", key))
+    where = _where(key)
     phase = "output" if key.startswith("fwd") else "input gradient"
     return f"{where.get('module', '?')} ({phase}, step {where.get('step', '?')}, microbatch {where.get('microbatch', '?')})"
-
-
-def _where(key: str) -> dict[str, str]:
-    return dict(re.findall(r"(\w+)=(\S+)", key))
 
 
 def _owned(module: str, report) -> list[str]:
