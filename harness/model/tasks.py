@@ -211,13 +211,13 @@ def reference(case: ModelCase, cfg: Config) -> dict[str, torch.Tensor]:
     except (RuntimeError, NotImplementedError) as error:
         if "Double" not in str(error):
             raise
-        raise CellError(_no_fp64(case, cfg, trainer.model, error)) from error
+        raise CellError(_no_fp64(case, trainer, error)) from error
     if trainer.recorder is not None:
         trainer.recorder.remove()
     return result | {name: t.detach().clone() for name, t in state_of(trainer.params, trainer.optimizer).items()}
 
 
-def _no_fp64(case: ModelCase, cfg: Config, model: nn.Module, error: BaseException) -> str:
+def _no_fp64(case: ModelCase, trainer: OneProcess, error: BaseException) -> str:
     """What to say when the fp64 reference met a kernel with no fp64 implementation: the op (found by
     one more forward that notes each op it dispatches), the module, and the fix."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -229,7 +229,7 @@ def _no_fp64(case: ModelCase, cfg: Config, model: nn.Module, error: BaseExceptio
             LastOp.name = func.overloadpacket.__name__
             return func(*args, **(kwargs or {}))
 
-    batch = OneProcess(case, cfg).batch(0)
+    model, batch = trainer.model, trainer.batch(0)
     try:
         with LastOp():
             case.loss(case.forward(model, batch), batch).backward()
