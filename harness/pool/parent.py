@@ -55,17 +55,18 @@ class PoolError(RuntimeError):
     """The pool could not start or cannot run a task of this shape."""
 
 
-def fitting(mesh, extra_meshes, size: int, short: str) -> tuple[int, tuple]:
-    """The world of ``mesh``, and the extra meshes (dims tuples as tuples of ``(name, degree)``,
-    MeshSpecs as they are); a :class:`PoolError` when one needs more than ``size`` ranks (``short``:
-    what there is and the fix, a format string with ``{size}`` and ``{need}``)."""
+def fitting(mesh, extra_meshes, size: int, short: str) -> tuple[int, int, tuple]:
+    """The world of ``mesh``, the world the task runs in (the largest of all its meshes'), and the
+    extra meshes (dims tuples as tuples of ``(name, degree)``, MeshSpecs as they are); a
+    :class:`PoolError` when one needs more than ``size`` ranks (``short``: what there is and the fix,
+    a format string with ``{size}`` and ``{need}``)."""
     extra = tuple(tuple((str(n), int(d)) for n, d in m) if isinstance(m, tuple) else m for m in extra_meshes)
-    for m in (mesh, *extra):
-        need = world_of(m)
+    needs = [world_of(m) for m in (mesh, *extra)]
+    for m, need in zip((mesh, *extra), needs):
         if need > size:
             raise PoolError(f"mesh {getattr(m, 'id', m)} needs {need} ranks but {short.format(size=size, need=need)} "
                             "or choose a smaller mesh")
-    return world_of(mesh), extra
+    return needs[0], max(needs), extra
 
 
 @dataclass
@@ -343,10 +344,9 @@ class Pool:
         Returns each mesh rank's return value. Raises :class:`CaseFailure` when any rank raises,
         dies or is still running at the deadline, with every rank's outcome.
         """
-        world, extra = fitting(mesh, extra_meshes, self.size, "the pool has {size}: run with --pool-size {need}")
+        world, size, extra = fitting(mesh, extra_meshes, self.size, "the pool has {size}: run with --pool-size {need}")
         self.start()
         mesh = tuple(mesh)
-        size = max([world] + [world_of(m) for m in extra])
         if self._world[0] != size:  # a world of another size: a new default group, new meshes
             self._world = (size, self._world[1] + 1)
             self._built.clear()

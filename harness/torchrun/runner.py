@@ -28,7 +28,6 @@ import time
 import traceback
 from typing import Any
 
-from ..layout import world_of
 from ..world import explained
 from ..pool.parent import FAILURE_GRACE, CaseFailure, Outcome, fitting, summarize_stack
 from .session import SETUP_TIMEOUT, Session
@@ -91,9 +90,8 @@ class RankRunner:
                              {"fn": fn, "payload": payload, "mesh": mesh, "seed": seed, "deadline": deadline,
                               "label": label, "extra_meshes": tuple(extra_meshes)})
         mesh = tuple(mesh)
-        world, extra = fitting(mesh, extra_meshes, self.size,
-                               "this torchrun job has {size}: launch at least {need} ranks")
-        size = max([world] + [world_of(m) for m in extra])
+        world, size, extra = fitting(mesh, extra_meshes, self.size,
+                                     "this torchrun job has {size}: launch at least {need} ranks")
         cells = self.session.cell_world
         if cells.current[0] != size:  # every rank runs every round: the same generations everywhere
             cells.enter(size, cells.current[1] + 1)
