@@ -5,11 +5,15 @@ each a mistake made in the user's own code, through the framework's own API, nev
   ``model.layers.*.mlp.down_proj`` with a rowwise style that does not reduce (registered as transformers'
   users register a style): each rank keeps its partial sum of the down projection;
 * ``ACCEL``: ``harness/examples/accelerate_hf.py`` with ``ParallelismConfig(dp_shard_size=WORLD_SIZE,
-  tp_size=2)``: the dp_shard dim built from the whole world, the tp ranks not taken out.
+  tp_size=2)``: the dp_shard dim built from the whole world, the tp ranks not taken out;
+* ``NOFP64``: ``harness/examples/qwen3moe_grouped_hf.py`` as a user first writes it, without
+  ``fp32_ops``: its ``grouped_mm`` experts have no fp64 kernel for the reference.
 """
+import dataclasses
+
 import torch.distributed as dist
 
-from harness.examples import accelerate_hf, pretrained_hf
+from harness.examples import accelerate_hf, pretrained_hf, qwen3moe_grouped_hf
 from harness.model import ModelCase
 
 
@@ -36,3 +40,4 @@ PARTIAL = ModelCase(build=pretrained_hf.build, batch=pretrained_hf.batch, loss=p
                     forward=pretrained_hf.forward, parallelize={"partial": rowwise_without_reduce})
 ACCEL = ModelCase(build=accelerate_hf.build, batch=accelerate_hf.batch, loss=accelerate_hf.loss,
                   forward=accelerate_hf.forward, parallelize={"worldshard": dp_shard_over_the_world})
+NOFP64 = dataclasses.replace(qwen3moe_grouped_hf.CASE, fp32_ops=())

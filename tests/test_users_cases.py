@@ -10,9 +10,11 @@ from there (the harness the one on PYTHONPATH, as in tests/test_world.py).
 * a ``tp_plan`` whose down_proj rowwise style leaves the partial sum: red, naming
   ``model.layers.0.mlp.down_proj``;
 * accelerate's ``ParallelismConfig`` with dp_shard built from the whole world: red, naming the mesh
-  larger than the world and where accelerate built it.
+  larger than the world and where accelerate built it;
+* the same grouped_mm MoE case without ``fp32_ops``: red, one line naming the op with no fp64 kernel,
+  the module it ran in and the fix, no traceback.
 
-The four cells run in one pytest session (one pool): each test below reads its own cell's part.
+The five cells run in one pytest session (one pool): each test below reads its own cell's part.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ CONFTEST = textwrap.dedent('''\
     register_model("mypretrained", "mypretrained:CASE")
     register_model("partialtp", "tests.model_bugs_users:PARTIAL")
     register_model("worldshard", "tests.model_bugs_users:ACCEL")
+    register_model("nofp64", "tests.model_bugs_users:NOFP64")
     ''')
 TEST = textwrap.dedent('''\
     import pytest
@@ -44,7 +47,8 @@ TEST = textwrap.dedent('''\
     CELLS = (model_cells("mypretrained", meshes=["tp=2"])
              + model_cells("qwen3moegmm", meshes=["dp=2"], switches={"ep": ["2"]})  # the shipped one, by name
              + model_cells("partialtp", meshes=["tp=2"])
-             + model_cells("worldshard", meshes=["dp=2,tp=2"]))
+             + model_cells("worldshard", meshes=["dp=2,tp=2"])
+             + model_cells("nofp64", meshes=["dp=2"], switches={"ep": ["2"]}))
 
 
     @pytest.mark.parametrize("cfg", CELLS, ids=str)
@@ -54,7 +58,8 @@ TEST = textwrap.dedent('''\
 IDS = {"pretrained": "mypretrained-auto-tp2-fp32-plain-steps3-seed0",
        "moe": "qwen3moegmm-ep-dp2-fp32-ep_2-steps3-seed0",
        "partial": "partialtp-partial-tp2-fp32-plain-steps3-seed0",
-       "worldshard": "worldshard-worldshard-dp2.tp2-fp32-plain-steps3-seed0"}
+       "worldshard": "worldshard-worldshard-dp2.tp2-fp32-plain-steps3-seed0",
+       "nofp64": "nofp64-ep-dp2-fp32-ep_2-steps3-seed0"}
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +117,12 @@ def test_accelerate_with_dp_shard_built_from_the_whole_world_is_red_and_names_th
     text = failure(run, "worldshard")
     assert ("raised: the cell's code built a device mesh (at parallelism_config.py:" in text
             and "in build_device_mesh) larger than its world of 4 ranks" in text), text[-6000:]
+
+
+def test_a_kernel_with_no_fp64_is_one_line_naming_the_op_the_module_and_the_fix(run):
+    assert outcome(run, "nofp64") == "FAILED"
+    text = failure(run, "nofp64")
+    assert re.search(r"raised: the fp64 reference failed in module model\.layers\.\d+\.mlp\.experts: aten\._grouped_mm "
+                     r"has no float64 kernel here \(.*\); run it from its fp32 kernel in the reference: "
+                     r"ModelCase\(fp32_ops=\('_grouped_mm',\)\)", text), text[-6000:]
+    assert "Traceback" not in text.split("reproduce:")[0], text[-6000:]
