@@ -1,6 +1,6 @@
-"""Reshard round trips of model cells (harness.model.reshard): a DTensor model survives save under
-one mesh and load under another or one process; hand-written TP on plain tensors, which a
-checkpoint stores as replicas, is red."""
+"""Reshard round trips of model cells (harness.model.tasks.round_trip): a DTensor model survives
+save under one mesh and load under another or one process; hand-written TP on plain tensors, which
+a checkpoint stores as replicas, is red."""
 import pytest
 
 from harness.cell import run_cell

@@ -16,7 +16,7 @@ matrix is printed at the end of every run (``worst err/tol``) and must stay well
 planted bugs in README produce ratios in the hundreds.
 
 A whole model (:mod:`harness.model`) has no single reduction to read ``n`` from, so it is derived
-(:func:`harness.model.reference.reduction_size`): the larger of the largest fan-in of any
+(:func:`harness.model.tasks.reduction_size`): the larger of the largest fan-in of any
 ``nn.Linear`` (terms of one forward dot product) and the tokens of a global batch (terms of a mean
 loss and of every parameter's gradient); ``ModelCase(reduction=...)`` overrides it.
 

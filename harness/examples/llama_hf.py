@@ -127,6 +127,7 @@ def cells():
     return (model_cells("llama", impls=["tp"], meshes=["tp=2"])
             + model_cells("llama", impls=["fsdp"], meshes=["rep=2,dp=2"])
             + model_cells("llama", impls=["tpfsdp"], meshes=["dp=2,tp=2"], dtypes=["fp32", "bf16"])
-            # reshard round trips (harness.model.reshard): TP x FSDP2 saved, loaded under FSDP2 and on one process
+            # reshard round trips (harness.model.tasks.round_trip): TP x FSDP2 saved, loaded under FSDP2
+            # and on one process
             + model_cells("llama", impls=["tpfsdp"], meshes=["dp=2,tp=2"], switches={"reshard": ["dp4", "one"]})
             + model_cells("llama", impls=["fsdp"], meshes=["rep=2,dp=2"], switches={"reshard": ["dp2"]}))
