@@ -55,9 +55,10 @@ _references: dict[tuple, dict[str, torch.Tensor]] = {}
 
 
 def reference_for(cfg: Config, pool=None) -> dict[str, torch.Tensor]:
-    """The reference result of ``cfg``'s problem, computed once per process and reused for every
-    mesh: by ``pool`` (the warm pool computes it on its first rank; torchrun's runner here), or here
-    without one (bisect, bench)."""
+    """The reference result of ``cfg``'s problem (:attr:`Config.problem`), computed in a world of one
+    by ``pool`` (on its first rank; under torchrun on rank 0) or here without one (bisect, bench).
+    Kept per process for every mesh and implementation of the problem: the reference is handed the
+    problem alone and sees one process, so it is the same computation for all of them."""
     if cfg.problem_key not in _references:
         check_config(cfg)
         component = get(cfg.component)
@@ -65,7 +66,6 @@ def reference_for(cfg: Config, pool=None) -> dict[str, torch.Tensor]:
             _references[cfg.problem_key] = component.reference_result(cfg)
         else:
             _references[cfg.problem_key] = pool.reference(component.reference, cfg,
-                                                          extra_meshes=component.extra_meshes(cfg),
                                                           deadline=cell_deadline(pool, component))
     return _references[cfg.problem_key]
 

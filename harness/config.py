@@ -114,6 +114,13 @@ class Config:
         """What determines inputs and the reference result: everything but impl and mesh."""
         return (self.component, self.dtype, self.sizes, self.switches, self.seed)
 
+    @property
+    def problem(self) -> "Config":
+        """What the reference computes: this config on a mesh of one rank (every degree 1) under the
+        implementation ``reference``. Everything it holds is :attr:`problem_key`, so a reference
+        computed from it is the same computation for every mesh and implementation of the problem."""
+        return self.replace(impl="reference", mesh=tuple((name, 1) for name, _ in self.mesh))
+
     # ---- the id --------------------------------------------------------------------------
     @property
     def id(self) -> str:

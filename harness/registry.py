@@ -26,6 +26,7 @@ from importlib.metadata import entry_points
 from .config import Config, ConfigError
 from .layout import world_of
 from .paths import load, modules
+from .world import alone
 
 BUILTIN = "harness.components:BUILTIN"
 ENTRY_POINTS = "paritytest.components"
@@ -144,13 +145,23 @@ class Component:
             return Diagnosis(f"(no diagnosis: {type(error).__name__}: {error})")
 
     def reference_result(self, cfg: Config):
-        return load(self.reference)(cfg)
+        """The reference result of ``cfg``'s problem, computed here in a world of one."""
+        return reference_of(self.reference, cfg.problem)
 
     def reduction_size(self, cfg: Config) -> int | dict[str, int]:
         return load(self.reduction)(cfg)
 
     def extra_meshes(self, cfg: Config) -> tuple:
         return tuple(load(self.meshes)(cfg)) if self.meshes else ()
+
+
+def reference_of(path: str, cfg: Config):
+    """``path(cfg)`` in a world of one (:func:`harness.world.alone`): a reference sees one process
+    whatever the cell's mesh, so code that reads the world is judged, never copied into it. Its
+    result is computed from ``cfg.problem`` (the same for every mesh); bisect's events from the cell's
+    ``cfg``, which say what each step of the cell's mesh should hold (a ring's steps over cp)."""
+    with alone():
+        return load(path)(cfg)
 
 
 COMPONENTS: dict[str, Component] = {}

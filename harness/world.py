@@ -83,6 +83,57 @@ class World:
             os.environ.update(before)
 
 
+@contextlib.contextmanager
+def alone():
+    """A world of one for the block: this process as rank 0 of a default group of one rank (gloo, a
+    store of its own) with torchrun's variables saying the same, as ``torchrun --nproc-per-node 1``
+    makes it. A reference runs here, so code that reads the world (a loss divided by
+    ``dist.get_world_size()``, seeding by ``dist.get_rank()``, a mesh over the world) computes what one
+    process computes. In a process that already holds a world of one (a pool rank given a task of one
+    rank) the block runs in it; a larger world is refused: a reference never runs beside other ranks."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise RuntimeError(f"a reference must run in a world of one, not in this world of "
+                               f"{dist.get_world_size()} ranks")
+        yield
+        return
+    with _own_world_of_one():
+        yield
+
+
+@contextlib.contextmanager
+def any_world():
+    """The world this process holds, else a world of one: for the harness's own calls into a case's
+    code whose values are not compared (counting its parameters, checking its batch's shape), which
+    may read the world as training code does."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    with _own_world_of_one():
+        yield
+
+
+@contextlib.contextmanager
+def _own_world_of_one():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    own = World(0, "gloo", None, None, "127.0.0.1", 0, per_host=1)
+    try:
+        with own.inside(1):
+            yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
+
+
 class CellError(RuntimeError):
     """A cell's code used its world wrongly; the message is the whole story (no traceback needed)."""
 

@@ -21,7 +21,7 @@ from ..config import Config
 from ..layout import AssemblyError, MeshLayout, assemble
 from ..pool.parent import Pool
 from ..paths import load
-from ..registry import check_config, get
+from ..registry import check_config, get, reference_of
 from ..compare.tolerance import tolerance
 
 
@@ -39,6 +39,15 @@ def recorded_run(ctx, payload: tuple[str, Config]) -> dict:
             result = None
             error = explained(raised, ctx.layout.world) or f"{type(raised).__name__}: {first}{user_line(raised)}"
     return {"result": result, "events": log, "error": error}
+
+
+def recorded_reference(ctx, payload: tuple[str, Config]) -> list[events.Event]:
+    """Pool task: the reference of the cell ``cfg`` in a world of one
+    (:func:`harness.registry.reference_of`), with event recording on: its events."""
+    path, cfg = payload
+    with events.recording() as log:
+        reference_of(path, cfg)
+    return log
 
 
 def _numbered(log: list[events.Event]) -> list[events.Event]:
@@ -140,8 +149,9 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
     ``complete``: compare every event (kept in ``findings``) instead of stopping where it starts."""
     check_config(cfg, pool.size)
     component = get(cfg.component)
-    with events.recording() as log:
-        component.reference_result(cfg)
+    log = pool.run("harness.bisect.localise:recorded_reference", (component.reference, cfg), cfg.problem.mesh,
+                   seed=cfg.seed, label=f"{cfg.id} (its reference, recording events)",
+                   deadline=cell_deadline(pool, component))[0]
     reference = _numbered(log)
     run = component.implementations[cfg.impl].run
     # the cell's own deadline (a model's deadline_factor): recording costs more than the cell, not less

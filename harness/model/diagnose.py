@@ -21,6 +21,7 @@ from ..bisect.localise import localise
 from ..config import Config
 from ..names import grad_name, parse
 from ..registry import Diagnosis
+from ..world import any_world
 from .batches import start_model
 from .case import ModelCase
 from .cell import configured
@@ -33,7 +34,7 @@ def diagnose(case: ModelCase, cfg: Config, pool, report, rerun: bool) -> Diagnos
     record: dict = {"losses": losses(report)}
     if report.ok:
         return Diagnosis(record={"model": record})
-    with configured(case, cfg):
+    with configured(case, cfg), any_world():
         params = [n for n, _ in start_model(case, cfg).named_parameters()]
     lines, first = [], None
     if rerun and pool.can_rerun:

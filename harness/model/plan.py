@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from ..config import Config, ConfigError
 from ..meshes.device_mesh import MeshSpec
 from ..names import DENSE
+from ..world import any_world
 from .batches import global_batch
 from .case import MESH_SWITCHES, ModelCase
 
@@ -98,7 +99,9 @@ def check(case: ModelCase, cfg: Config) -> None:
         raise ConfigError(f"{cfg.id}: cp={s.cp} splits the sequence, but the case declares no seq_dim: "
                           "set ModelCase(seq_dim=...) or drop cp from the mesh")
     rows = s.rep * s.dp
-    for name, tensor in global_batch(case, 0).items():
+    with any_world():  # the parent's call into the case's code: it may read the world
+        first = global_batch(case, 0)
+    for name, tensor in first.items():
         if tensor.dim() == 0 or tensor.shape[0] % rows:
             raise ConfigError(f"{cfg.id}: batch[{name!r}] of shape {tuple(tensor.shape)} does not split on dim 0 "
                               f"over the {rows} data-parallel ranks (rep·dp): make the global batch a multiple of {rows}")

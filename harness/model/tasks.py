@@ -27,7 +27,7 @@ from ..context import RankContext
 from ..layout import MeshLayout, Piece, Shard, piece_index
 from ..names import DENSE, parse
 from ..registry import Space
-from ..world import CellError
+from ..world import CellError, any_world
 from . import cell, plan
 from .batches import global_batch, start_model
 from .case import ModelCase
@@ -279,9 +279,9 @@ def reduction_size(case: ModelCase, cfg: Config) -> int:
         return int(case.reduction)
     key = (cfg.component, cfg.seed, tuple(sorted(cell.switches().items())))
     if key not in _sizes:
-        model = start_model(case, cfg)
+        with any_world():  # the parent's call into the case's code: it may read the world
+            model, batch = start_model(case, cfg), global_batch(case, 0)
         fan_in = max((m.in_features for m in model.modules() if isinstance(m, nn.Linear)), default=1)
-        batch = global_batch(case, 0)
         first = batch.get("input", next(iter(batch.values())))
         tokens = first.numel() if not first.is_floating_point() else first.numel() // max(1, first.shape[-1])
         _sizes[key] = max(fan_in, tokens)

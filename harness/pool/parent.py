@@ -366,14 +366,14 @@ class Pool:
         self.start()
         return tempfile.mkdtemp(prefix="cell", dir=self._tmp)
 
-    def reference(self, path: str, cfg, *, extra_meshes=(), deadline: float | None = None):
-        """``path(cfg)``, a cell's single-process reference, computed by the pool's first rank: a
-        rank paid torch's lazy imports before its fork (the optimizer step's ``torch._dynamo``, about
-        1 s), so this process never pays them, which is most of what one cell on a kept pool costs
-        beyond importing torch. The reference is plain single-process PyTorch in fp64, compared
-        under tolerance: where it runs changes the time, not the verdict."""
-        return self.run("harness.pool.tasks:reference", (path, cfg), cfg.mesh, seed=cfg.seed,
-                        label=f"{cfg.id} (its reference)", extra_meshes=extra_meshes, deadline=deadline)[0]
+    def reference(self, path: str, cfg, *, deadline: float | None = None):
+        """``path(cfg.problem)``, a cell's single-process reference, computed by the pool's first rank
+        in a world of one (its default group of one rank, ``WORLD_SIZE=1``; the other ranks idle), so
+        that code reading the world computes what one process computes, whichever cells ran before.
+        A rank paid torch's lazy imports before its fork (the optimizer step's ``torch._dynamo``,
+        about 1 s), so this process never pays them."""
+        return self.run("harness.pool.tasks:reference", (path, cfg.problem), cfg.problem.mesh, seed=cfg.seed,
+                        label=f"{cfg.id} (its reference)", deadline=deadline)[0]
 
     def _task_in_scratch(self, fn: str, payload: Any, mesh: tuple, extra: tuple, seed: int, world: int,
                          deadline: float, label: str, given: str | None = None) -> dict[int, Any]:

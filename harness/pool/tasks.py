@@ -13,14 +13,11 @@ def noop(ctx: RankContext, payload):
 
 def reference(ctx: RankContext, payload):
     """A cell's single-process reference (``payload``: the component's reference path and the
-    config), computed by the mesh's first rank alone (harness.cell.reference_for); the others
-    return None. Plain PyTorch: no collective, no group."""
-    if ctx.rank != 0:
-        return None
-    from ..paths import load
+    config), computed in a world of one rank (harness.cell.reference_for)."""
+    from ..registry import reference_of
 
     path, cfg = payload
-    return load(path)(cfg)
+    return reference_of(path, cfg)
 
 
 def describe_mesh(ctx: RankContext, payload):

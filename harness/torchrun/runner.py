@@ -143,11 +143,12 @@ class RankRunner:
         job's scratch instead (:meth:`run`)."""
         return None
 
-    def reference(self, path: str, cfg, **_):
-        """``path(cfg)``, a cell's single-process reference, in this process (rank 0 judges)."""
-        from ..paths import load
-
-        return load(path)(cfg)
+    def reference(self, path: str, cfg, *, deadline: float | None = None):
+        """``path(cfg.problem)``, a cell's single-process reference, on rank 0 in a world of one (the
+        job's other ranks follow the round and idle), as in the pool."""
+        values = self.run("harness.pool.tasks:reference", (path, cfg.problem), cfg.problem.mesh, seed=cfg.seed,
+                          label=f"{cfg.id} (its reference)", deadline=deadline)
+        return None if values is None else values[0]
 
     def _publish(self, out: tuple) -> None:
         try:

@@ -1,0 +1,131 @@
+"""The reference is one process, from a user's project (written to a temporary directory, run with
+pytest in a subprocess): code that reads the world is judged, never copied into the reference.
+
+- A loss divided by ``dist.get_world_size()`` (on top of the mean FSDP already takes): every
+  multi-rank cell is red with norm ratio 1/world, run alone or together, in either order, and no
+  golden file is written; its one-rank cell stays green (there the division is by one).
+- A ``build`` that seeds by ``dist.get_rank()``: the reference is rank 0's model on one process, so
+  a parallelize that starts every rank from rank 0's weights (a broadcast, as DDP makes it) passes,
+  and one that shards each rank's own weights fails.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
+
+MODEL = textwrap.dedent('''\
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from harness.model import ModelCase
+
+
+    def batch(step):
+        g = torch.Generator().manual_seed(step)
+        return {"input": torch.randn(8, 16, generator=g), "target": torch.randn(8, 16, generator=g)}
+
+
+    def build():
+        return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+
+    def fsdp(model, meshes):
+        fully_shard(model, mesh=meshes.mesh("fsdp"))
+        return model
+
+
+    def scaled_loss(out, b):
+        """The classic mistake: FSDP already averages gradients over the ranks."""
+        return F.mse_loss(out, b["target"]) / dist.get_world_size()
+
+
+    def build_seeded_by_rank():
+        torch.manual_seed(1000 + dist.get_rank())  # a trainer seeding each rank its own way
+        return build()
+
+
+    SCALED = ModelCase(build=build, batch=batch, loss=scaled_loss, parallelize={"fsdp": fsdp})
+    def synced(model, meshes):
+        """Every rank starts from rank 0's weights, as DDP's constructor makes it."""
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+        return fsdp(model, meshes)
+
+
+    SEEDED = ModelCase(build=build_seeded_by_rank, batch=batch, loss=lambda out, b: F.mse_loss(out, b["target"]),
+                       parallelize={"synced": synced, "fsdp": fsdp})
+    ''')
+CONFTEST = textwrap.dedent('''\
+    from harness.model import register_model
+
+    register_model("scaled", "worldly:SCALED")
+    register_model("seeded", "worldly:SEEDED")
+    ''')
+TEST = textwrap.dedent('''\
+    import pytest
+
+    from harness.model import model_cells
+
+    MESHES = {MESHES!r}
+    CELLS = model_cells("{NAME}", meshes=MESHES)
+
+
+    @pytest.mark.parametrize("cfg", CELLS, ids=str)
+    def test_cell(cfg, parity):
+        parity(cfg)
+    ''')
+
+
+def run_project(root: Path, name: str, meshes: list[str]) -> subprocess.CompletedProcess:
+    root.mkdir()
+    for file, text in (("worldly.py", MODEL), ("conftest.py", CONFTEST), ("pytest.ini", "[pytest]\n"),
+                       ("test_cells.py", TEST.replace("{MESHES!r}", repr(meshes)).replace("{NAME}", name))):
+        (root / file).write_text(text)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                           "--case-deadline", "120", "--pool-size", "4"], cwd=root, env=env_for(root),
+                          capture_output=True, text=True, timeout=600)
+
+
+def norm_ratios(output: str) -> dict[str, float]:
+    """Each failing cell's id -> the norm ratio of its first gradient row (the ``norm ratio`` column)."""
+    ratios = {}
+    for cell, body in re.findall(r"_ test_cell\[(\S+)\] _+\n(.*?)(?=\n_{3,} test_cell|\n=+ short test summary)",
+                                 output, re.S):
+        row = next(line for line in body.splitlines() if re.match(r"\s*grad/", line))
+        ratios[cell] = float(row.split()[-3])
+    return ratios
+
+
+@pytest.mark.parametrize("order", [["dp=2", "dp=4", "dp=1"], ["dp=4", "dp=1", "dp=2"], ["dp=2"], ["dp=4"]],
+                         ids=lambda order: "_".join(m.replace("=", "") for m in order))
+def test_a_loss_divided_by_the_world_size_is_red_on_every_multi_rank_cell(tmp_path, order):
+    done = run_project(tmp_path / "project", "scaled", order)
+    print(done.stdout[-6000:])
+    ratios = norm_ratios(done.stdout)
+    want = {f"scaled-fsdp-{mesh.replace('=', '')}": 1 / int(mesh.split("=")[1]) for mesh in order if mesh != "dp=1"}
+    assert {c.split("-fp32")[0] for c in ratios} == set(want), done.stdout[-5000:] + done.stderr[-2000:]
+    for cell, ratio in want.items():
+        assert ratios[next(c for c in ratios if c.startswith(cell + "-"))] == pytest.approx(ratio, rel=1e-3), ratios
+    passed = re.search(r"^(?:\d+ failed, )?(\d+) passed", done.stdout.splitlines()[-1])
+    assert (int(passed.group(1)) if passed else 0) == ("dp=1" in order), done.stdout[-3000:]
+    written = sorted(p.name for p in (tmp_path / "project" / "golden").rglob("*") if p.is_file()) \
+        if (tmp_path / "project" / "golden").exists() else []
+    assert all("-dp1-" in name for name in written), written  # only the one-rank cell, which matched
+
+
+def test_a_build_seeded_by_rank_is_judged_against_rank_0s_model_on_one_process(tmp_path):
+    done = run_project(tmp_path / "project", "seeded", ["dp=2", "dp=4"])
+    print(done.stdout[-6000:])
+    assert "2 failed, 2 passed" in done.stdout, done.stdout[-5000:] + done.stderr[-2000:]
+    failed = re.findall(r"^FAILED \S+test_cell\[(seeded-\w+)-", done.stdout, re.M)
+    assert sorted(failed) == ["seeded-fsdp", "seeded-fsdp"], failed
