@@ -72,7 +72,11 @@ def write_files_forever(ctx, payload):
 
 
 def reference_where(cfg):
-    """tp's reference, and the process that computed it."""
+    """tp's reference, the process that computed it and the world it saw (its size, its rank, and
+    RANK, LOCAL_RANK and WORLD_SIZE)."""
+    import torch.distributed as dist
+
     from reference.tp import reference
 
-    return {**reference(cfg), "pid": torch.tensor(os.getpid())}
+    seen = [dist.get_world_size(), dist.get_rank(), *(int(os.environ[v]) for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))]
+    return {**reference(cfg), "pid": torch.tensor(os.getpid()), "world": torch.tensor(seen)}

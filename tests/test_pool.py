@@ -81,9 +81,9 @@ def test_random_state_is_private_per_rank_and_fixed_by_the_seed(small_pool):
 
 
 def test_a_reference_is_computed_once_per_problem_on_the_pools_first_rank(small_pool):
-    """A cell's reference runs on the pool's rank 0, not in pytest's process (whose optimizer step
-    would import torch._dynamo, about 1 s, for nothing else), once per problem, with the numbers
-    the same reference gives in this process."""
+    """A cell's reference runs on the pool's rank 0 in a world of one, not in pytest's process (whose
+    optimizer step would import torch._dynamo, about 1 s, for nothing else), once per problem, with
+    the numbers the same reference gives in this process (in a world of one made there)."""
     tp = get("tp")
     register_component(Component("wheretp", "tests.faults:reference_where", tp.validate, tp.reduction,
                                  dict(tp.implementations)))
@@ -93,12 +93,14 @@ def test_a_reference_is_computed_once_per_problem_on_the_pools_first_rank(small_
         cfg = Config("wheretp", "ours", {"tp": 2}, "fp32", sizes, {"op": "mlp"})
         got = reference_for(cfg, small_pool)
         assert int(got["pid"]) == ranks[0] != os.getpid()
+        assert got["world"].tolist() == [1, 0, 0, 0, 1]  # a world of one: size, rank, RANK, LOCAL_RANK, WORLD_SIZE
         assert reference_for(Config("wheretp", "ours", {"tp": 4}, "fp32", sizes, {"op": "mlp"}), small_pool) is got
         assert int(reference_for(Config("wheretp", "ours", {"tp": 4}, "fp32", sizes, {"op": "sp"}),
                                  small_pool)["pid"]) == ranks[0]  # another problem: computed again, there
         real = Config("tp", "ours", {"tp": 2}, "fp32", sizes, {"op": "mlp"})
         there, here = reference_for(real, small_pool), tp.reference_result(real)
         assert there.keys() == here.keys() and all(torch.equal(there[k], here[k]) for k in here)
+        assert get("wheretp").reference_result(cfg)["world"].tolist() == [1, 0, 0, 0, 1]  # here: a world of one too
     finally:
         COMPONENTS.pop("wheretp")
         for key in [k for k in _references if k[0] in ("wheretp", "tp")]:
