@@ -21,11 +21,15 @@ class Block(nn.Module):
 
 
 def drawn(model: nn.Module) -> dict:
+    """The ops that draw, each with its modules; and the cheap check agrees whether any did."""
     x = torch.randn(4, 8, dtype=torch.float64)
     model = model.double()
-    with Draws(model) as draws:
+    with Draws(model) as cheap:
         model(x).sum().backward()
-    return draws.found
+    with Draws(model, watch=True) as watched:
+        model(x).sum().backward()
+    assert cheap.drew == watched.drew == bool(watched.found)
+    return watched.found
 
 
 def test_dropout_of_zero_and_attention_without_dropout_draw_nothing():

@@ -2,10 +2,11 @@
 
 A sharded run draws other numbers than one process does (other shapes, other generators), so a
 model that draws cannot match its reference whatever its parallelism does: such a cell is not
-judged, and says why. :class:`Draws` watches the one-process reference train: every aten op tagged
-``nondeterministic_seeded`` that actually draws (a fused attention kernel or an RNN with a dropout
-of 0 does not), with the innermost module whose forward is running. :func:`not_judged` is the one
-line a cell then says: the ops, the modules, and how to turn them off in ``build``.
+judged, and says why. :class:`Draws` notices that a step of the one-process reference advanced
+torch's generator; run again watching, it names every aten op tagged ``nondeterministic_seeded``
+that actually draws (a fused attention kernel or an RNN with a dropout of 0 does not), with the
+innermost module whose forward is running. :func:`not_judged` is the one line a cell then says: the
+ops, the modules, and how to turn them off in ``build``.
 """
 from __future__ import annotations
 
@@ -47,16 +48,31 @@ def describe(func, args: tuple, kwargs: dict) -> str:
 
 
 class Draws:
-    """While active (each training step's forward, loss and backward; not ``batch``, whose draws are
-    the data), ``found`` collects every op that draws: its description -> the modules it ran in
-    (their names in ``model``, "" for the model's own forward, None outside any forward: the loss,
-    a backward), in the order met."""
+    """Around each training step (forward, loss and backward; not ``batch``, whose draws are the data):
+    ``drew`` says whether a step advanced torch's default generator, a check that costs nothing per op.
+    With ``watch``, ``found`` also collects every op that draws: its description -> the modules it ran
+    in (their names in ``model``, "" for the model's own forward, None outside any forward: the loss,
+    a backward), in the order met; a Python dispatch mode, so only to name what ``drew`` saw."""
 
-    def __init__(self, model: nn.Module):
-        self.model = model
+    def __init__(self, model: nn.Module, watch: bool = False):
+        self.model, self.watch = model, watch
+        self.drew = False
         self.found: dict[str, list[str | None]] = {}
 
     def __enter__(self) -> "Draws":
+        self.state = torch.random.get_rng_state()
+        if self.watch:
+            self._watch()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.watch:
+            self.mode.__exit__(*exc)
+            for handle in self.handles:
+                handle.remove()
+        self.drew |= not torch.equal(self.state, torch.random.get_rng_state())
+
+    def _watch(self) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
 
         running: list[str] = []  # the modules whose forward is running, innermost last
@@ -88,18 +104,12 @@ class Draws:
 
         self.mode = Mode()
         self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.mode.__exit__(*exc)
-        for handle in self.handles:
-            handle.remove()
 
 
 def not_judged(model: nn.Module, found: dict[str, list[str | None]]) -> str:
     """The line a cell says when its reference drew random numbers: what drew them, where, and how
     to turn them off in ``build``."""
-    ops = []
+    ops = [] if found else ["no op that draws was seen again, but a training step advanced torch's generator"]
     for op, modules in found.items():
         inside = [m or f"the model's own forward ({type(model).__name__})" for m in modules if m is not None]
         where = [f"in {', '.join(inside[:MOST])}" + (f" and {len(inside) - MOST} more" if len(inside) > MOST else "")

@@ -217,9 +217,18 @@ def reference(case: ModelCase, cfg: Config) -> dict[str, torch.Tensor]:
         raise CellError(_no_fp64(case, trainer, error)) from error
     if trainer.recorder is not None:
         trainer.recorder.remove()
-    if drawn.found:  # no parallel run draws these numbers as one process does: nothing to compare
-        return {NOT_JUDGED: not_judged(trainer.model, drawn.found)}
+    if drawn.drew:  # no parallel run draws these numbers as one process does: nothing to compare
+        return {NOT_JUDGED: _random(case, cfg)}
     return result | {name: t.detach().clone() for name, t in state_of(trainer.params, trainer.optimizer).items()}
+
+
+def _random(case: ModelCase, cfg: Config) -> str:
+    """What to say when the reference drew random numbers: its steps again, from the start, noting
+    each op that draws and the module it runs in."""
+    trainer = OneProcess(case, cfg)
+    trainer.draws = watched = Draws(trainer.model, watch=True)
+    trainer.train(range(cfg.size("steps")))
+    return not_judged(trainer.model, watched.found)
 
 
 def _no_fp64(case: ModelCase, trainer: OneProcess, error: BaseException) -> str:
