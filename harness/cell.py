@@ -12,7 +12,7 @@ from .compare.tolerance import Tolerances
 from .config import Config
 from .golden.store import GoldenError, MissingGolden, golden_path, metadata, read_golden, update_command, write_golden
 from .layout import AssemblyError, MeshLayout, assemble
-from .names import parse
+from .names import NOT_JUDGED, parse
 from .registry import Component, Diagnosis, check_config, get
 
 
@@ -33,6 +33,12 @@ class Divergence(AssertionError):
             return "drift"
         rows = self.report.failing() if self.report else []
         return "nan" if any(r.problem == "nan/inf" for r in rows) else "mismatch"
+
+
+class NotJudged(Exception):
+    """A cell its reference cannot judge (a model that draws random numbers in training mode): not a
+    divergence and not a match. The message says why and what to change; pytest skips the cell with
+    it, bisect and exploration count it as a skip."""
 
 
 @dataclass
@@ -58,7 +64,8 @@ def reference_for(cfg: Config, pool=None) -> dict[str, torch.Tensor]:
     """The reference result of ``cfg``'s problem (:attr:`Config.problem`), computed in a world of one
     by ``pool`` (on its first rank; under torchrun on rank 0) or here without one (bisect, bench).
     Kept per process for every mesh and implementation of the problem: the reference is handed the
-    problem alone and sees one process, so it is the same computation for all of them."""
+    problem alone and sees one process, so it is the same computation for all of them. Raises
+    :class:`NotJudged` when the reference says it cannot judge (a model that draws random numbers)."""
     if cfg.problem_key not in _references:
         check_config(cfg)
         component = get(cfg.component)
@@ -67,7 +74,10 @@ def reference_for(cfg: Config, pool=None) -> dict[str, torch.Tensor]:
         else:
             _references[cfg.problem_key] = pool.reference(component.reference, cfg,
                                                           deadline=cell_deadline(pool, component))
-    return _references[cfg.problem_key]
+    result = _references[cfg.problem_key]
+    if NOT_JUDGED in result:
+        raise NotJudged(result[NOT_JUDGED])
+    return result
 
 
 def assemble_result(cfg: Config, pieces: dict[int, dict]) -> dict:
@@ -122,6 +132,7 @@ def execute(cfg: Config, pool, scratch: str | None = None) -> CellOutcome:
     directory the cell's ranks share (the pool's own, removed after it, when None)."""
     check_config(cfg, pool.size)
     component = get(cfg.component)
+    reference_for(cfg, pool)  # first: a reference that cannot judge the cell says so before the ranks run it
     return outcome_of(cfg, component, run_pieces(cfg, pool, component, scratch), pool)
 
 

@@ -2,7 +2,8 @@
 
 ``parity(cfg)`` checks the config's rules, skips what the implementation cannot run here, marks a
 declared divergence as strict xfail, runs the cell (:func:`harness.cell.run_cell`, in the warm pool;
-under torchrun on every rank, :func:`harness.torchrun.plugin.on_ranks`) and fails with its table.
+under torchrun on every rank, :func:`harness.torchrun.plugin.on_ranks`) and fails with its table; a
+cell its reference cannot judge (:class:`harness.cell.NotJudged`) is skipped with the reason.
 Each cell leaves one JSON property in the junit XML (:func:`cell_record`): what ``harness.report``
 and the run's summary read.
 """
@@ -108,12 +109,14 @@ class CellCheck:
         record["seconds"] = record.get("seconds") or round(time.perf_counter() - start, 4)
         if failure is not None:  # outside the except block: the report shows our message, no chain
             pytest.fail(failure, pytrace=False)
+        if record["status"] == "skipped":  # judged on rank 0 under torchrun: every rank skips alike
+            pytest.skip(record["reason"])
         return outcome
 
     def judge(self, cfg: Config, pool, record: dict, start: float):
         """Run the cell through ``pool`` (the warm pool, or rank 0's runner) and judge it: the failure
         text or None, and the outcome; the record is filled in either way."""
-        from .cell import Divergence, run_cell
+        from .cell import Divergence, NotJudged, run_cell
         from .golden.store import GoldenError
         from .layout import AssemblyError
         from .pool.parent import CaseFailure, PoolError
@@ -137,6 +140,9 @@ class CellCheck:
         except (GoldenError, PoolError) as error:
             record["kind"] = type(error).__name__
             return str(error), None
+        except NotJudged as error:  # nothing diverged and nothing was compared: neither red nor green
+            record.update(status="skipped", kind="not judged", reason=str(error))
+            return None, None
         finally:
             record["seconds"] = round(time.perf_counter() - start, 4)
             if scratch is not None:

@@ -78,6 +78,11 @@ def loss_name(step: int) -> str:
     return f"loss/step{step}"
 
 
+# a reference result holding only this name: why no cell of its problem can be judged (a model that
+# draws random numbers in training mode), and what to change
+NOT_JUDGED = "not-judged"
+
+
 @dataclass(frozen=True)
 class ResultName:
     """A result's name read back: ``kind`` is ``grad``, ``param``, ``opt``, ``loss`` or the name itself

@@ -118,8 +118,9 @@ def _bisect(args, original: Config | None, cells: list[Config], trials: Trials, 
         print(f"first failing {args.target} cell: {original.id}", file=sys.stderr)
     first, second = trials.run(original), trials.run(original)
     if not first.signature.failed:
-        print(f"{original.id}: no divergence ({first.signature})")
-        _write_result(out, {"verdict": "no divergence", "original": original.id})
+        verdict = "no divergence" if first.signature.kind == "match" else "not run"  # a skip: nothing was compared
+        print(f"{original.id}: {verdict} ({first.signature})")
+        _write_result(out, {"verdict": verdict, "original": original.id})
         return EXIT["good"] if first.signature.kind == "match" else EXIT["skip"]
     if not trials.same(first, second):
         print(f"{original.id} is nondeterministic: run 1 gave {first.signature}, run 2 gave {second.signature}"

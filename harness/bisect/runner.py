@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from ..cell import CellOutcome, execute
+from ..cell import CellOutcome, NotJudged, execute
 from ..compare.diff import compare
 from ..config import Config, ConfigError
 from ..layout import AssemblyError
@@ -69,6 +69,8 @@ class Trials:
             return Trial(cfg, Signature("skip", detail=reason), 0.0)
         try:
             outcome = execute(cfg, self.pool)
+        except NotJudged as error:
+            return Trial(cfg, Signature("skip", detail=str(error)), 0.0)
         except CaseFailure as error:
             return Trial(cfg, Signature(error.kind, detail=_first_failure(error)), 0.0)
         except (AssemblyError, PoolError) as error:

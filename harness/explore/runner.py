@@ -80,6 +80,7 @@ class Exploration:
     found_seconds: float = 0.0
     replayed: bool = False  # found among the stored examples
     others: dict[str, str] = field(default_factory=dict)  # other failures (and ignored ones): id -> signature
+    not_judged: str = ""  # why a drawn config's reference cannot judge it (a model drawing random numbers)
     essential: list[str] = field(default_factory=list)  # fields bisect's search could not simplify
     localisation: object | None = None
     budget: str = ""  # why it stopped early, if it did
@@ -92,6 +93,8 @@ class Exploration:
         """The closing lines: what was found and how, where it starts, the command that reproduces
         it and the line that adds it to the fixed matrix (``modules``: the test modules with cells
         of this component); or that nothing was found."""
+        if self.not_judged:
+            return f"{self.target}: not explored: {self.not_judged}"
         if self.minimal is None:
             stop = f" (stopped at {self.budget})" if self.budget else ""
             ignored = f"; {len(self.others)} diverged only in --ignore tensors" if self.others else ""
@@ -114,7 +117,9 @@ class Exploration:
 
     def as_json(self) -> dict:
         out = {"target": self.target, "trials": self.trials, "drawn": self.drawn, "seconds": round(self.seconds, 2),
-               "stored examples": self.stored, "verdict": "divergence" if self.minimal else "no divergence"}
+               "stored examples": self.stored, "verdict": "divergence" if self.minimal else "not judged" if self.not_judged else "no divergence"}
+        if self.not_judged:
+            out["not judged"] = self.not_judged
         if self.budget:
             out["stopped"] = self.budget
         if self.minimal is not None:
@@ -179,6 +184,11 @@ def explore(component: str, impl: str, pool: Pool, budget: Budget, *, db_path: P
             result.budget = f"{budget.shrink_seconds / 2:g} s of hypothesis's shrinking (half of --shrink-seconds)"
             raise Spent()  # result.minimal is the smallest failure so far
         got = run(cfg)
+        if got.signature.kind == "skip" and not found_at:
+            # drawn configs are ones that run here, so a skip is a reference that cannot judge: the
+            # model draws random numbers, and every config of it would say so again
+            result.not_judged = got.signature.detail
+            raise Spent()
         if got.signature.kind in ("skip", "invalid"):
             reject()
         if not got.signature.failed:

@@ -25,12 +25,13 @@ from .. import events
 from ..config import Config
 from ..context import RankContext
 from ..layout import MeshLayout, Piece, Shard, piece_index
-from ..names import DENSE, parse
+from ..names import DENSE, NOT_JUDGED, parse
 from ..registry import Space
 from ..world import CellError, any_world
 from . import cell, plan
 from .batches import global_batch, start_model
 from .case import ModelCase
+from .draws import Draws, not_judged
 from .hooks import Recorder, logical_shapes
 from .placement import activation, declared_placements, piece_of
 from .train import OneProcess, OnRank, Trainer, state_of
@@ -201,9 +202,11 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 @in_cell
 def reference(case: ModelCase, cfg: Config) -> dict[str, torch.Tensor]:
     """``loss/step<k>``, ``grad/<p>`` (step 1), ``param/<p>`` and ``opt/<state>/<p>`` (after the last
-    step) of the same model on one process in fp64, trained on the whole global batch of every step."""
+    step) of the same model on one process in fp64, trained on the whole global batch of every step;
+    ``{NOT_JUDGED: why}`` instead when it draws random numbers (:mod:`harness.model.draws`)."""
     trainer = OneProcess(case, cfg)
     trainer.recorder = Recorder([trainer.model]) if events.active() else None
+    trainer.draws = drawn = Draws(trainer.model)
     result: dict[str, torch.Tensor] = {}
     try:
         result |= trainer.train(range(cfg.size("steps")),
@@ -214,7 +217,18 @@ def reference(case: ModelCase, cfg: Config) -> dict[str, torch.Tensor]:
         raise CellError(_no_fp64(case, trainer, error)) from error
     if trainer.recorder is not None:
         trainer.recorder.remove()
+    if drawn.drew:  # no parallel run draws these numbers as one process does: nothing to compare
+        return {NOT_JUDGED: _random(case, cfg)}
     return result | {name: t.detach().clone() for name, t in state_of(trainer.params, trainer.optimizer).items()}
+
+
+def _random(case: ModelCase, cfg: Config) -> str:
+    """What to say when the reference drew random numbers: its steps again, from the start, noting
+    each op that draws and the module it runs in."""
+    trainer = OneProcess(case, cfg)
+    trainer.draws = watched = Draws(trainer.model, watch=True)
+    trainer.train(range(cfg.size("steps")))
+    return not_judged(trainer.model, watched.found)
 
 
 def _no_fp64(case: ModelCase, trainer: OneProcess, error: BaseException) -> str:

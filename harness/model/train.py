@@ -139,6 +139,8 @@ class OneProcess(Trainer):
     (``reference``), or as the cell starts it, on fp32 batches under the cell's autocast (a model a
     reshard cell resumes whole)."""
 
+    draws = None  # harness.model.draws.Draws in the reference: watches each step for random numbers
+
     def __init__(self, case: ModelCase, cfg: Config, reference: bool = True):
         self.case, self.cfg, self.reference = case, cfg, reference
         self.model = start_model(case, cfg)
@@ -152,7 +154,7 @@ class OneProcess(Trainer):
 
     def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.reference:
-            with Fp32Ops(self.case.fp32_ops):
+            with Fp32Ops(self.case.fp32_ops), self.draws or contextlib.nullcontext():
                 loss = self.case.loss(self.case.forward(self.model, batch), batch)
                 loss.backward()
             return scalar(loss)
