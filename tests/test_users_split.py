@@ -8,10 +8,12 @@ tp), ``titan`` is torchtitan's order (pipeline, TP, FSDP) and passes on the same
 ``nopipe`` applies TP and FSDP2 but knows no pipeline: exploration must never report a pp draw of it
 clean, and draws no one-rank world.
 """
+import json
 import subprocess
 import sys
 import textwrap
 
+from harness.config import Config
 from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
 
 MODEL = textwrap.dedent('''\
@@ -87,3 +89,16 @@ def test_a_function_that_ignores_pp_or_tp_fails_naming_the_dim_and_a_right_one_p
     assert "split nothing" in out.split("parity summary")[1]  # the summary counts them apart from crashes
     assert not (root / "golden" / "mine" / "mine-fsdp-pp2-fp32-plain-steps3-seed0.safetensors").exists()
 
+
+def test_exploration_never_reports_a_pipeline_draw_of_a_function_without_one_clean_nor_draws_one_rank(tmp_path):
+    root = project(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "harness.explore", "mine:nopipe", "--seed", "0", "--max-examples",
+                           "12", "--database", "none", "--pool-size", "4", "--case-deadline", "120", "--out", "out"],
+                          cwd=root, env=env_for(root), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    trials = [(Config.parse(t["config"]), t) for t in map(json.loads, (root / "out" / "trials.jsonl").open())]
+    piped = [t for cfg, t in trials if cfg.degree("pp") > 1]
+    assert piped, [t["config"] for _, t in trials]  # pipeline meshes were drawn ...
+    assert all(t["kind"] == "invalid" and "pp=" in t["detail"] and "split nothing" in t["detail"]
+               for t in piped), piped  # ... and each one set aside, never clean
+    assert not [t["config"] for cfg, t in trials if cfg.world == 1]
