@@ -99,13 +99,12 @@ def _draft(draw, component: Component, impl: str, pool_size: int, switches: dict
 
 
 def within(cfg: Config) -> bool:
-    """Is ``cfg`` inside its component's space (dims, a world of two ranks or more unless it asks
-    for one, dtype, size ranges, switch values)? Shrinking outside it would reach what the space
-    leaves out on purpose (numerics, not bugs; one rank, which runs no collective)."""
+    """Is ``cfg`` inside its component's space (dims, dtype, size ranges, switch values)? Shrinking
+    outside it would reach sizes the space leaves out on purpose (numerics, not bugs). A one-rank
+    world is inside: bisect's search tries it as the control that shows a dim is essential."""
     component = get(cfg.component)
     space, values = space_of(component), component.switch_values()
-    return (all(name in space.dims for name, _ in cfg.mesh) and (cfg.world > 1 or space.one_rank)
-            and cfg.dtype in space.dtypes
+    return (all(name in space.dims for name, _ in cfg.mesh) and cfg.dtype in space.dtypes
             and all(key in space.sizes and space.sizes[key][0] <= v <= space.sizes[key][1] for key, v in cfg.sizes)
             and all(v in values.get(key, (v,)) for key, v in cfg.switches))
 
