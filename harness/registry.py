@@ -69,6 +69,9 @@ class Space:
     # draw these switches only, not also those ``Component.simplest`` orders for bisect (a whole
     # model's ep and etp, which a model without experts does not have)
     only_these: bool = False
+    # draw one-rank worlds too: for a component whose one-rank run is not the reference's own code
+    # (by default none is drawn; it runs no collective, so it can hardly diverge)
+    one_rank: bool = False
 
 
 @dataclass

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from datetime import timedelta
 
 # what torchrun sets for every worker, set for every rank of a cell's world
@@ -136,6 +137,25 @@ def _own_world_of_one():
 
 class CellError(RuntimeError):
     """A cell's code used its world wrongly; the message is the whole story (no traceback needed)."""
+
+
+class SplitNothing(CellError):
+    """A mesh dim of degree above 1 over which the code under test split nothing: every rank ran the
+    whole of what one process runs, so a match certifies nothing about that dim. Every rank raises
+    the same line, ``<dim>=<degree>[, ...] split nothing: <what and how to declare it>``."""
+
+
+_SPLIT_NOTHING = re.compile(r"(?:[a-z]+=\d+, )*[a-z]+=\d+ split nothing: ")
+
+
+def split_nothing(failure) -> str | None:
+    """The line of a cell that split nothing over a dim, when every rank of ``failure`` (a
+    ``CaseFailure``) raised it; else None (a crash, a hang, ranks that disagree)."""
+    told = {(o.status, o.summary) for r, o in failure.outcomes.items() if r < failure.world}
+    if len(told) != 1:
+        return None
+    status, line = told.pop()
+    return line if status == "raised" and _SPLIT_NOTHING.match(line) else None
 
 
 def user_line(error: BaseException) -> str:

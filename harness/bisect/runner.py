@@ -16,6 +16,7 @@ from ..config import Config, ConfigError
 from ..layout import AssemblyError
 from ..pool.parent import CaseFailure, Pool, PoolError
 from ..registry import check_config, get
+from ..world import split_nothing
 from .shrink import Budget
 from .signature import Signature, of_report
 
@@ -72,6 +73,9 @@ class Trials:
         except NotJudged as error:
             return Trial(cfg, Signature("skip", detail=str(error)), 0.0)
         except CaseFailure as error:
+            vacuous = split_nothing(error)
+            if vacuous:  # a config whose mesh the implementation does not use: no verdict to find
+                return Trial(cfg, Signature("invalid", detail=vacuous), 0.0)
             return Trial(cfg, Signature(error.kind, detail=_first_failure(error)), 0.0)
         except (AssemblyError, PoolError) as error:
             return Trial(cfg, Signature("crash", detail=str(error).splitlines()[0]), 0.0)

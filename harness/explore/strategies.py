@@ -47,10 +47,12 @@ def space_of(component: Component):
 
 
 @st.composite
-def meshes(draw, dims: tuple[str, ...], pool_size: int, ordered: bool = False) -> tuple[tuple[str, int], ...]:
+def meshes(draw, dims: tuple[str, ...], pool_size: int, ordered: bool = False,
+           one_rank: bool = False) -> tuple[tuple[str, int], ...]:
     """Up to three named dims in any order (``ordered``: in the order of ``dims``), degrees whose
     product fits the pool; a dim after the first has a degree of 2 or more (a dim of 1 only renames
-    the same cell)."""
+    the same cell). A world of two ranks or more, unless ``one_rank`` (``Space.one_rank``): one rank
+    runs no collective, so its cell can hardly differ from the reference."""
     names = draw(st.lists(st.sampled_from(dims), min_size=1, max_size=min(3, len(dims)), unique=True))
     if ordered:
         names = sorted(names, key=dims.index)
@@ -58,7 +60,9 @@ def meshes(draw, dims: tuple[str, ...], pool_size: int, ordered: bool = False) -
     for i, name in enumerate(names):
         if i and room < 2:
             break
-        degree = draw(st.integers(1 if not i else 2, max(1, room)))
+        # the first dim may be 1 where a later one makes the world (dp=1,tp=2: no dp, as a trainer writes it)
+        least = 1 if one_rank or len(names) > 1 or pool_size < 2 else 2
+        degree = draw(st.integers(least if not i else 2, max(least, room)))
         mesh.append((name, degree))
         room //= degree
     return tuple(mesh)
@@ -87,7 +91,7 @@ def _switches(draw, component: Component) -> dict[str, str]:
 
 def _draft(draw, component: Component, impl: str, pool_size: int, switches: dict[str, str]) -> Config:
     space = space_of(component)
-    mesh = draw(meshes(space.dims, pool_size, space.ordered))
+    mesh = draw(meshes(space.dims, pool_size, space.ordered, space.one_rank))
     dtype = draw(st.sampled_from(space.dtypes))
     drawn = draw(sizes(space.sizes, mesh))
     seed = draw(st.integers(0, MAX_SEED))
@@ -96,7 +100,8 @@ def _draft(draw, component: Component, impl: str, pool_size: int, switches: dict
 
 def within(cfg: Config) -> bool:
     """Is ``cfg`` inside its component's space (dims, dtype, size ranges, switch values)? Shrinking
-    outside it would reach sizes the space leaves out on purpose (numerics, not bugs)."""
+    outside it would reach sizes the space leaves out on purpose (numerics, not bugs). A one-rank
+    world is inside: bisect's search tries it as the control that shows a dim is essential."""
     component = get(cfg.component)
     space, values = space_of(component), component.switch_values()
     return (all(name in space.dims for name, _ in cfg.mesh) and cfg.dtype in space.dtypes

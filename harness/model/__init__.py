@@ -30,7 +30,8 @@ Inside, data flows one way: the case (``case.py``: the user's value) -> the cell
 mesh spec, rules, reshard round trip) -> one training loop (``train.py``, with ``batches.py``) on the
 ranks and in the reference (``tasks.py``, the entry points bound to the case) -> pieces
 (``placement.py``) -> comparison -> one diagnosis (``diagnose.py``, with ``hooks.py``' events).
-``register.py`` makes a case a Component.
+``split.py`` fails a cell whose function split nothing over a dim of its mesh; ``register.py``
+makes a case a Component.
 """
 from .case import ModelCase, Pipelined
 from .cell import cell_dir, switches

@@ -34,6 +34,7 @@ from .case import ModelCase
 from .draws import Draws, not_judged
 from .hooks import Recorder, logical_shapes
 from .placement import activation, declared_placements, piece_of
+from .split import agree
 from .train import OneProcess, OnRank, Trainer, state_of
 
 
@@ -72,11 +73,19 @@ def _run(case: ModelCase, ctx: RankContext, cfg: Config) -> dict[str, Piece]:
 def _train(trainer: OnRank, case: ModelCase, cfg: Config) -> dict[str, Piece]:
     trainer.recorder = _recorder(trainer, case, cfg) if events.active() else None
     pieces: dict[str, Piece] = {}
-    losses = trainer.train(range(cfg.size("steps")), lambda grads: pieces.update(placed(trainer, grads)))
+    with trainer.notes.watching():
+        losses = trainer.train(range(cfg.size("steps")), lambda grads: first_step(trainer, grads, pieces))
     if trainer.recorder is not None:
         trainer.recorder.remove()
     return {name: Piece.full(loss) for name, loss in losses.items()} | pieces \
         | placed(trainer, state_of(trainer.params, trainer.optimizer))
+
+
+def first_step(trainer: OnRank, grads: dict[str, torch.Tensor], pieces: dict[str, Piece]) -> None:
+    """After step 1's backward: the cell fails on every rank if a dim split nothing (no verdict on
+    numbers that one process computed on every rank), else step 1's gradients go into ``pieces``."""
+    agree(trainer.notes, trainer.cfg.impl)
+    pieces.update(placed(trainer, grads))
 
 
 def _recorder(trainer: OnRank, case: ModelCase, cfg: Config) -> Recorder:
@@ -149,7 +158,8 @@ def round_trip(case: ModelCase, ctx: RankContext, cfg: Config, trip: plan.Reshar
     path = os.path.join(ctx.scratch, "paritytest-checkpoint")
     saver = OnRank(case, ctx, cfg)
     pieces: dict[str, Piece] = {}
-    losses = saver.train(range(trip.save_step), lambda grads: pieces.update(placed(saver, grads)))
+    with saver.notes.watching():
+        losses = saver.train(range(trip.save_step), lambda grads: first_step(saver, grads, pieces))
     pieces |= {name: Piece.full(loss) for name, loss in losses.items()}
     cell = ctx.mesh(plan.ranks_of(cfg.world)).get_group()  # the cell's ranks (the pool may have more)
     model_sd, optim_sd = get_state_dict(saver.modules[0], saver.optimizer)

@@ -24,6 +24,7 @@ from ..world import check_mesh_covers
 from .batches import as_dtype, global_batch, local_batch, start_model
 from .case import ModelCase, Pipelined
 from .plan import mesh_spec
+from .split import Notes, Watched, degrees_of
 
 
 def autocast(case: ModelCase, cfg: Config, device: torch.device):
@@ -175,15 +176,27 @@ class OnRank(Trainer):
         self.degrees = dict(cfg.mesh)
         model = start_model(case, cfg).to(ctx.device)
         self.alias = aliases(model)
-        made = case.parallelize[cfg.impl](model, self.meshes)
+        watched = Watched(self.meshes)
+        made = case.parallelize[cfg.impl](model, watched)
         self.pipelined = made if isinstance(made, Pipelined) else None
         if self.pipelined is None and not isinstance(made, nn.Module):
             raise TypeError(f"parallelize[{cfg.impl!r}] returned {type(made).__name__}: return the module, "
                             "or harness.model.Pipelined(stages, schedule) for a pipelined model")
         self.modules = self.pipelined.modules if self.pipelined else [made]
         check_mesh_covers(self.modules, dist.get_world_size())
+        self.notes = self._notes(watched)
         self.params = self._params()
         self.optimizer = case.optimizer([p for _, p in self.params])
+
+    def _notes(self, watched: Watched) -> Notes:
+        """What split each dim here (:mod:`harness.model.split`)."""
+        notes = Notes(self.cfg, self.case, degrees_of(self.spec))
+        if self.pipelined is not None:
+            notes.split.add("pp")
+        if watched.reached:
+            notes.split.add("ep")
+        notes.modules(self.modules)
+        return notes
 
     def _params(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters under the reference's names, sorted (every rank of a stage's mesh
