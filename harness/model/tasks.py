@@ -3,7 +3,7 @@ first and is bound to it by path (``"harness.model.tasks:run[mypkg.cases:CASE]"`
 :mod:`harness.paths`), so the rank processes import the case as they import an implementation.
 
 ``run`` is the rank task (a reshard cell's: its round trip); ``reference`` the one-process fp64
-result; ``check``, ``check_impl``, ``reduction_size``, ``meshes`` and ``xfail`` the cell's plan and
+result and ``calibration`` the same in the cell's dtype (the rounding the tolerance allows); ``check``, ``check_impl``, ``reduction_size``, ``meshes`` and ``xfail`` the cell's plan and
 tolerance, as a component declares them; ``space`` what exploration draws. Each runs the case's code
 with the cell's own switches in place (:func:`harness.model.switches`).
 """
@@ -204,16 +204,30 @@ def reference(case: ModelCase, cfg: Config) -> dict[str, torch.Tensor]:
     step) of the same model on one process in fp64, trained on the whole global batch of every step."""
     trainer = OneProcess(case, cfg)
     trainer.recorder = Recorder([trainer.model]) if events.active() else None
-    result: dict[str, torch.Tensor] = {}
     try:
-        result |= trainer.train(range(cfg.size("steps")),
-                                lambda grads: result.update({n: g.detach().clone() for n, g in grads.items()}))
+        result = _trained(trainer, cfg)
     except (RuntimeError, NotImplementedError) as error:
         if "Double" not in str(error):
             raise
         raise CellError(_no_fp64(case, trainer, error)) from error
     if trainer.recorder is not None:
         trainer.recorder.remove()
+    return result
+
+
+@in_cell
+def calibration(case: ModelCase, cfg: Config) -> dict[str, torch.Tensor]:
+    """The results of :func:`reference`, of the same model on one process in the cell's dtype (as a
+    cell starts it: its rounded start, its autocast or low-precision parameters): how far right code
+    lies from fp64 by rounding alone (:mod:`harness.compare.tolerance`)."""
+    return _trained(OneProcess(case, cfg, reference=False), cfg)
+
+
+def _trained(trainer: OneProcess, cfg: Config) -> dict[str, torch.Tensor]:
+    """The cell's steps on one process: each step's loss, step 1's gradients, the final state."""
+    result: dict[str, torch.Tensor] = {}
+    result |= trainer.train(range(cfg.size("steps")),
+                            lambda grads: result.update({n: g.detach().clone() for n, g in grads.items()}))
     return result | {name: t.detach().clone() for name, t in state_of(trainer.params, trainer.optimizer).items()}
 
 
