@@ -3,7 +3,8 @@ first and is bound to it by path (``"harness.model.tasks:run[mypkg.cases:CASE]"`
 :mod:`harness.paths`), so the rank processes import the case as they import an implementation.
 
 ``run`` is the rank task (a reshard cell's: its round trip); ``reference`` the one-process fp64
-result and ``calibration`` the same in the cell's dtype (the rounding the tolerance allows); ``check``, ``check_impl``, ``reduction_size``, ``meshes`` and ``xfail`` the cell's plan and
+result and ``calibration`` the same in the cell's dtype (the rounding the tolerance allows);
+``check``, ``check_impl``, ``reduction_size``, ``meshes`` and ``xfail`` the cell's plan and
 tolerance, as a component declares them; ``space`` what exploration draws. Each runs the case's code
 with the cell's own switches in place (:func:`harness.model.switches`).
 """
