@@ -60,21 +60,26 @@ TABLE_ROWS = 12
 _references: dict[tuple, dict[str, torch.Tensor]] = {}
 
 
-def reference_for(cfg: Config, pool=None) -> dict[str, torch.Tensor]:
+def reference_for(cfg: Config, pool=None, calibration: bool = False) -> dict[str, torch.Tensor] | None:
     """The reference result of ``cfg``'s problem (:attr:`Config.problem`), computed in a world of one
     by ``pool`` (on its first rank; under torchrun on rank 0) or here without one (bisect, bench).
     Kept per process for every mesh and implementation of the problem: the reference is handed the
-    problem alone and sees one process, so it is the same computation for all of them. Raises
-    :class:`NotJudged` when the reference says it cannot judge (a model that draws random numbers)."""
-    if cfg.problem_key not in _references:
+    problem alone and sees one process, so it is the same computation for all of them.
+    ``calibration``: instead, the same on one process in the cell's dtype (``Component.calibration``;
+    None where the component has none or the cell is fp64, where it is the reference itself).
+    Raises :class:`NotJudged` when the reference says it cannot judge (a model that draws random numbers)."""
+    component = get(cfg.component)
+    path = component.calibration if calibration else component.reference
+    if path is None or (calibration and cfg.dtype == "fp64"):
+        return None
+    key = (*cfg.problem_key, "calibration") if calibration else cfg.problem_key
+    if key not in _references:
         check_config(cfg)
-        component = get(cfg.component)
         if pool is None:
-            _references[cfg.problem_key] = component.reference_result(cfg)
+            _references[key] = (component.calibration_result if calibration else component.reference_result)(cfg)
         else:
-            _references[cfg.problem_key] = pool.reference(component.reference, cfg,
-                                                          deadline=cell_deadline(pool, component))
-    result = _references[cfg.problem_key]
+            _references[key] = pool.reference(path, cfg, deadline=cell_deadline(pool, component))
+    result = _references[key]
     if NOT_JUDGED in result:
         raise NotJudged(result[NOT_JUDGED])
     return result
@@ -90,9 +95,16 @@ def assemble_result(cfg: Config, pieces: dict[int, dict]) -> dict:
     return {name: assemble(name, {r: pieces[r][name] for r in pieces}, layout) for name in sorted(names)}
 
 
+def tolerances_for(cfg: Config, pool=None) -> Tolerances:
+    """The tolerance policy of ``cfg``'s cell: its reduction size, its reference's families and its
+    one-process rounding (:mod:`harness.compare.tolerance`), computed in ``pool`` if given."""
+    return Tolerances(cfg.dtype, get(cfg.component).reduction_size(cfg), reference_for(cfg, pool),
+                      reference_for(cfg, pool, calibration=True))
+
+
 def parity(cfg: Config, component: Component, assembled: dict, pool=None) -> tuple[Tolerances, Report]:
     """The assembled result against the reference (computed in ``pool`` if given), under the tolerance policy."""
-    tol = Tolerances(cfg.dtype, component.reduction_size(cfg))
+    tol = tolerances_for(cfg, pool)
     omits = component.implementations[cfg.impl].omits
     expected = {name: t for name, t in reference_for(cfg, pool).items() if name not in omits}
     return tol, compare(assembled, expected, tol)

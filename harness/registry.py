@@ -113,6 +113,9 @@ class Component:
     deadline_factor: float = 1.0
     # a whole model's ModelCase ("module:CASE"); None for a component
     case: str | None = None
+    # "module:function", cfg -> the reference's results computed on one process in the cell's dtype,
+    # the rounding a right run makes (harness.compare.tolerance); None: the policy without it
+    calibration: str | None = None
 
     def exploration_space(self) -> Space | None:
         """The space exploration draws from: ``space``, or what its path returns."""
@@ -150,6 +153,10 @@ class Component:
     def reference_result(self, cfg: Config):
         """The reference result of ``cfg``'s problem, computed here in a world of one."""
         return reference_of(self.reference, cfg.problem)
+
+    def calibration_result(self, cfg: Config):
+        """The calibration run of ``cfg``'s problem (``calibration``), computed here in a world of one."""
+        return reference_of(self.calibration, cfg.problem)
 
     def reduction_size(self, cfg: Config) -> int | dict[str, int]:
         return load(self.reduction)(cfg)
@@ -257,7 +264,7 @@ def preload_modules(cfgs=None) -> list[str]:
         if not impls:
             continue
         paths += [component.reference, component.validate, component.reduction]
-        paths += [component.meshes] if component.meshes else []
+        paths += [p for p in (component.meshes, component.calibration) if p]
         for impl in impls:
             paths += [impl.run] + [p for p in (impl.skip, impl.xfail, impl.validate) if p]
     return sorted({module for path in paths for module in modules(path)})

@@ -107,3 +107,33 @@ def test_the_worst_index_is_torch_unravel_index(shape):
     for flat in range(n):
         want = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), shape)) if shape else ()
         assert unravel(flat, shape) == want
+
+
+def test_one_process_rounding_widens_only_the_tensors_it_amplifies():
+    from harness.compare.tolerance import ROUNDING, Tolerances
+
+    want = {"param/a": reference(64), "param/b": reference(64, seed=1)}
+    base = tolerance("fp32", 16)
+    # one process in fp32 lies 3 tolerances from fp64 in a (AdamW amplified its rounding), not at all in b
+    one = {"param/a": want["param/a"] + 3 * base.allowed(want["param/a"]), "param/b": want["param/b"].clone()}
+    tols = Tolerances("fp32", 16, want, one)
+    assert tols.get("param/a").growth == pytest.approx(3) and tols.get("param/b").growth == 0
+    near = {n: t + 10 * base.allowed(t) for n, t in want.items()}  # a parallel run 10 tolerances off
+    assert [r.tensor for r in compare(near, want, tols).failing()] == ["param/b"]
+    # a bug (a tensor halved) stays red where rounding is amplified, by the margin left
+    (row,) = compare({"param/a": want["param/a"] / 2}, {"param/a": want["param/a"]}, tols).failing()
+    assert row.ratio > 1e3 / (1 + ROUNDING * 3)
+    assert f"x (1 + {ROUNDING:g} x one process's fp32 err/tol there), the most 3 at param/a" in str(tols)
+
+
+def test_a_tensor_zero_to_the_cells_precision_is_held_to_its_familys_scale():
+    from harness.compare.tolerance import Tolerances
+
+    want = {"grad/w": reference(32), "grad/v": reference(32, seed=1), "grad/gate": reference(8, seed=2) * 1e-21}
+    got = dict(want, **{"grad/gate": reference(8, seed=3) * 1e-11})  # fp32 rounding of terms of scale ~1
+    assert compare(got, want, tolerance("fp32", 16)).failing()[0].ratio > 1e15  # its own near-zero scale
+    assert compare(got, want, Tolerances("fp32", 16, want)).ok
+    # a tensor small but resolved keeps its own scale: halving it is red
+    want["grad/v"] = want["grad/v"] * 1e-3
+    (row,) = compare(dict(want, **{"grad/v": want["grad/v"] / 2}), want, Tolerances("fp32", 16, want)).failing()
+    assert row.tensor == "grad/v" and row.ratio > 1e3

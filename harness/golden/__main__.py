@@ -92,13 +92,12 @@ class FileChange:
 
 
 def _tolerances(stem: str):
-    """The tolerance policy of the cell a golden file belongs to, or None if it cannot be known."""
-    from ..registry import get
-    from ..compare.tolerance import Tolerances
+    """The tolerance policy of the cell a golden file belongs to (the cell's own: its reference and,
+    for a model, its one-process run are computed here), or None if it cannot be known."""
+    from ..cell import tolerances_for
 
     try:
-        cfg = Config.parse(stem)
-        return Tolerances(cfg.dtype, get(cfg.component).reduction_size(cfg))
+        return tolerances_for(Config.parse(stem))
     except Exception:  # noqa: BLE001  an unparsable id or unknown component: say "unknown", not crash
         return None
 

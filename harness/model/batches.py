@@ -36,6 +36,13 @@ def start_model(case, cfg: Config) -> nn.Module:
     return model
 
 
+def batch_dtype(case, cfg: Config) -> torch.dtype:
+    """The dtype a cell's floating batch tensors take: the cell's for a model kept in it
+    (``mixed_precision="bf16"``), else fp32."""
+    low = case.mixed_precision == "bf16" and cfg.dtype in ("bf16", "fp16")
+    return TORCH_DTYPE[cfg.dtype] if low else torch.float32
+
+
 def local_batch(batch: dict[str, torch.Tensor], seq_dim: int | None, data: tuple[int, int],
                 cp: tuple[int, int]) -> dict[str, torch.Tensor]:
     """This rank's slice of the global batch: chunk ``data[1]`` of ``data[0]`` on dim 0 (the batch

@@ -32,6 +32,7 @@ def model_component(name: str, case: str, impls: Iterable[str], deadline_factor:
     return Component(
         name=name,
         reference=task("reference"),
+        calibration=task("calibration"),
         validate=task("check"),
         reduction=task("reduction_size"),
         meshes=task("meshes"),

@@ -3,7 +3,8 @@ first and is bound to it by path (``"harness.model.tasks:run[mypkg.cases:CASE]"`
 :mod:`harness.paths`), so the rank processes import the case as they import an implementation.
 
 ``run`` is the rank task (a reshard cell's: its round trip); ``reference`` the one-process fp64
-result; ``check``, ``check_impl``, ``reduction_size``, ``meshes`` and ``xfail`` the cell's plan and
+result and ``calibration`` the same in the cell's dtype (the rounding the tolerance allows);
+``check``, ``check_impl``, ``reduction_size``, ``meshes`` and ``xfail`` the cell's plan and
 tolerance, as a component declares them; ``space`` what exploration draws. Each runs the case's code
 with the cell's own switches in place (:func:`harness.model.switches`).
 """
@@ -217,10 +218,8 @@ def reference(case: ModelCase, cfg: Config) -> dict[str, torch.Tensor]:
     trainer = OneProcess(case, cfg)
     trainer.recorder = Recorder([trainer.model]) if events.active() else None
     trainer.draws = drawn = Draws(trainer.model)
-    result: dict[str, torch.Tensor] = {}
     try:
-        result |= trainer.train(range(cfg.size("steps")),
-                                lambda grads: result.update({n: g.detach().clone() for n, g in grads.items()}))
+        result = _trained(trainer, cfg)
     except (RuntimeError, NotImplementedError) as error:
         if "Double" not in str(error):
             raise
@@ -229,6 +228,22 @@ def reference(case: ModelCase, cfg: Config) -> dict[str, torch.Tensor]:
         trainer.recorder.remove()
     if drawn.drew:  # no parallel run draws these numbers as one process does: nothing to compare
         return {NOT_JUDGED: _random(case, cfg)}
+    return result
+
+
+@in_cell
+def calibration(case: ModelCase, cfg: Config) -> dict[str, torch.Tensor]:
+    """The results of :func:`reference`, of the same model on one process in the cell's dtype (as a
+    cell starts it: its rounded start, its autocast or low-precision parameters): how far right code
+    lies from fp64 by rounding alone (:mod:`harness.compare.tolerance`)."""
+    return _trained(OneProcess(case, cfg, reference=False), cfg)
+
+
+def _trained(trainer: OneProcess, cfg: Config) -> dict[str, torch.Tensor]:
+    """The cell's steps on one process: each step's loss, step 1's gradients, the final state."""
+    result: dict[str, torch.Tensor] = {}
+    result |= trainer.train(range(cfg.size("steps")),
+                            lambda grads: result.update({n: g.detach().clone() for n, g in grads.items()}))
     return result | {name: t.detach().clone() for name, t in state_of(trainer.params, trainer.optimizer).items()}
 
 

@@ -21,7 +21,7 @@ from ..config import Config
 from ..context import RankContext
 from ..names import grad_name, loss_name, param_name, state_name
 from ..world import check_mesh_covers
-from .batches import as_dtype, global_batch, local_batch, start_model
+from .batches import as_dtype, batch_dtype, global_batch, local_batch, start_model
 from .case import ModelCase, Pipelined
 from .plan import mesh_spec
 from .split import Notes, Watched, degrees_of
@@ -137,8 +137,8 @@ class Fp32Ops:
 
 class OneProcess(Trainer):
     """The whole model on one process, trained on the whole global batch: in fp64 without autocast
-    (``reference``), or as the cell starts it, on fp32 batches under the cell's autocast (a model a
-    reshard cell resumes whole)."""
+    (``reference``), or as the cell starts it, on the cell's batches under its autocast (the
+    tolerance's calibration, a model a reshard cell resumes whole)."""
 
     draws = None  # harness.model.draws.Draws in the reference: watches each step for random numbers
 
@@ -151,7 +151,7 @@ class OneProcess(Trainer):
         self.optimizer = case.optimizer([p for _, p in self.params])
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
-        return as_dtype(global_batch(self.case, step), torch.float64 if self.reference else torch.float32)
+        return as_dtype(global_batch(self.case, step), torch.float64 if self.reference else batch_dtype(self.case, self.cfg))
 
     def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.reference:
@@ -217,9 +217,7 @@ class OnRank(Trainer):
         ctx, s = self.ctx, self.spec
         data = (s.rep * s.dp, ctx.coord("rep") * s.dp + ctx.coord("dp"))
         local = local_batch(global_batch(self.case, step), self.case.seq_dim, data, (s.cp, ctx.coord("cp")))
-        dtype = TORCH_DTYPE[self.cfg.dtype] if self.case.mixed_precision == "bf16" and self.cfg.dtype != "fp32" \
-            else torch.float32
-        return {k: t.to(ctx.device) for k, t in as_dtype(local, dtype).items()}
+        return {k: t.to(ctx.device) for k, t in as_dtype(local, batch_dtype(self.case, self.cfg)).items()}
 
     def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         loss = self._pipeline_step(batch) if self.pipelined else self._local_step(batch)
