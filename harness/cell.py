@@ -62,7 +62,7 @@ _references: dict[tuple, dict[str, torch.Tensor]] = {}
 
 def reference_for(cfg: Config, pool=None, calibration: bool = False) -> dict[str, torch.Tensor] | None:
     """The reference result of ``cfg``'s problem (:attr:`Config.problem`), computed in a world of one
-    by ``pool`` (on its first rank; under torchrun on rank 0) or here without one (bisect, bench).
+    by ``pool`` (on a rank beside its own; under torchrun on rank 0) or here without one (bisect, bench).
     Kept per process for every mesh and implementation of the problem: the reference is handed the
     problem alone and sees one process, so it is the same computation for all of them.
     ``calibration``: instead, the same on one process in the cell's dtype (``Component.calibration``;
@@ -131,7 +131,7 @@ def cell_deadline(pool, component: Component) -> float | None:
 
 def outcome_of(cfg: Config, component: Component, pieces: dict[int, dict], pool=None) -> CellOutcome:
     """Every rank's pieces -> the logical result and its parity report against the reference
-    (computed on ``pool``'s first rank when given: :func:`reference_for`)."""
+    (computed beside ``pool`` when given: :func:`reference_for`)."""
     assembled = assemble_result(cfg, pieces)
     outcome = CellOutcome(cfg, *parity(cfg, component, assembled, pool))
     outcome.result = {name: a.tensor for name, a in assembled.items()}

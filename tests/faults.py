@@ -41,6 +41,13 @@ def pids(ctx, payload):
     return os.getpid()
 
 
+def default_group(ctx, payload):
+    """This rank's default group, as an identity: equal across tasks while the rank keeps its world."""
+    import torch.distributed as dist
+
+    return id(dist.distributed_c10d._get_default_group())
+
+
 def draw_random(ctx, payload):
     """Values from the rank's global generator: private to the rank, fixed by the task's seed."""
     return torch.rand(3)

@@ -149,9 +149,9 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
     ``complete``: compare every event (kept in ``findings``) instead of stopping where it starts."""
     check_config(cfg, pool.size)
     component = get(cfg.component)
-    log = pool.run("harness.bisect.localise:recorded_reference", (component.reference, cfg), cfg.problem.mesh,
-                   seed=cfg.seed, label=f"{cfg.id} (its reference, recording events)",
-                   deadline=cell_deadline(pool, component))[0]
+    log = pool.alone("harness.bisect.localise:recorded_reference", (component.reference, cfg), cfg.problem.mesh,
+                     seed=cfg.seed, label=f"{cfg.id} (its reference, recording events)",
+                     deadline=cell_deadline(pool, component))
     reference = _numbered(log)
     run = component.implementations[cfg.impl].run
     # the cell's own deadline (a model's deadline_factor): recording costs more than the cell, not less

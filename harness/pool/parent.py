@@ -186,6 +186,7 @@ class Pool:
         self._task = 0
         self._built: set[tuple] = set()
         self._world = (0, 0)
+        self._alone: Pool | None = None  # the rank of one beside this pool (:meth:`alone`)
         self.starts = 0  # how many times a pool was started (tests check restarts)
         atexit.register(self.close)
 
@@ -196,8 +197,10 @@ class Pool:
 
     @property
     def pids(self) -> list[int]:
-        """Process ids of the zygote and the ranks (empty when not started)."""
-        return ([self._proc.pid] if self._proc else []) + list(self._pids.values())
+        """Process ids of the zygote and the ranks, and of the pool of one beside it (empty when not
+        started)."""
+        return (([self._proc.pid] if self._proc else []) + list(self._pids.values())
+                + (self._alone.pids if self._alone else []))
 
     def launch(self) -> None:
         """Start the zygote without waiting for it: its torch import overlaps the caller's work."""
@@ -321,10 +324,12 @@ class Pool:
             self._hold = None
 
     def close(self) -> None:
-        """Stop the pool. Ranks hold nothing worth flushing, so they are killed outright: a polite
-        stop only made every pytest process wait for the zygote's interpreter to shut down (the
-        zygote skips its own shutdown too)."""
+        """Stop the pool and the pool of one beside it. Ranks hold nothing worth flushing, so they are
+        killed outright: a polite stop only made every pytest process wait for the zygote's
+        interpreter to shut down (the zygote skips its own shutdown too)."""
         self.kill()
+        if self._alone is not None:
+            self._alone.close()
 
     # ---- running a task ----------------------------------------------------------------
     def run(self, fn: str, payload: Any, mesh: tuple[tuple[str, int], ...], *, seed: int = 0,
@@ -366,14 +371,29 @@ class Pool:
         self.start()
         return tempfile.mkdtemp(prefix="cell", dir=self._tmp)
 
+    def alone(self, fn: str, payload: Any, mesh: tuple[tuple[str, int], ...], *, seed: int = 0,
+              deadline: float | None = None, label: str = "") -> Any:
+        """``fn(ctx, payload)`` on ``mesh`` (every degree 1) in a world of one: on the rank of a pool
+        of one kept beside this one (started on first use, closed with it), whose world never
+        changes. Run on this pool's first rank instead, it would take this pool from the cells' world
+        to one of one and back, and every mesh built for the cells would be built again after it (a
+        rendezvous on every rank: the checkpoint cells ran twice as long so). Returns that rank's
+        value; raises :class:`CaseFailure` as :meth:`run`."""
+        if world_of(mesh) != 1:
+            raise PoolError(f"a task alone runs on a mesh of one rank, not {mesh}")
+        if self._alone is None:
+            self._alone = Pool(1, self.backend, self.deadline, self.start_timeout, self.preload, self.keep, self.root)
+        return self._alone.run(fn, payload, mesh, seed=seed, label=label,
+                               deadline=self.deadline if deadline is None else deadline)[0]
+
     def reference(self, path: str, cfg, *, deadline: float | None = None):
-        """``path(cfg.problem)``, a cell's single-process reference, computed by the pool's first rank
-        in a world of one (its default group of one rank, ``WORLD_SIZE=1``; the other ranks idle), so
-        that code reading the world computes what one process computes, whichever cells ran before.
-        A rank paid torch's lazy imports before its fork (the optimizer step's ``torch._dynamo``,
-        about 1 s), so this process never pays them."""
-        return self.run("harness.pool.tasks:reference", (path, cfg.problem), cfg.problem.mesh, seed=cfg.seed,
-                        label=f"{cfg.id} (its reference)", deadline=deadline)[0]
+        """``path(cfg.problem)``, a cell's single-process reference, computed in a world of one
+        (:meth:`alone`: its default group of one rank, ``WORLD_SIZE=1``), so that code reading the
+        world computes what one process computes, whichever cells ran before. A rank paid torch's
+        lazy imports before its fork (the optimizer step's ``torch._dynamo``, about 1 s), so this
+        process never pays them."""
+        return self.alone("harness.pool.tasks:reference", (path, cfg.problem), cfg.problem.mesh, seed=cfg.seed,
+                          label=f"{cfg.id} (its reference)", deadline=deadline)
 
     def _task_in_scratch(self, fn: str, payload: Any, mesh: tuple, extra: tuple, seed: int, world: int,
                          deadline: float, label: str, given: str | None = None) -> dict[int, Any]:
