@@ -3,7 +3,8 @@ makes in its own parallelize code, on harness/examples/titan.py's model. Never f
 bug is a different parallelize function registered as an implementation of the ``bugs`` model."""
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.parallel import ColwiseParallel
+from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from harness.model import ModelCase
 from harness.examples import titan
@@ -34,6 +35,27 @@ def loss_over_world_twice(model, meshes):
     return titan.parallelize_stage(model, meshes, loss_parallel=True)
 
 
+def tp_without_sequence_parallel(model, meshes, partial_wo: tuple[str, ...] = ()):
+    """Tensor parallelism without sequence parallelism (the residual stream replicated, each block's
+    ``wo`` and ``w2`` rowwise and reduced); the blocks named in ``partial_wo`` keep their ``wo``'s
+    output ``Partial()``: each rank's partial sum, which the residual add then uses unreduced."""
+    tp = meshes.dense["tp"]
+    parallelize_module(model, tp, {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+                                   "output": ColwiseParallel(output_layouts=Replicate())})
+    for name, block in model.layers.items():
+        wo = RowwiseParallel(output_layouts=Partial()) if name in partial_wo else RowwiseParallel()
+        parallelize_module(block, tp, {
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": wo, "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel()})
+    return model
+
+
+def wo_partial_in_one_block(model, meshes):
+    """The same plan with the second block's ``wo`` left as partial sums over tp."""
+    return tp_without_sequence_parallel(model, meshes, partial_wo=("1",))
+
+
 def stage_reinitialised(model, meshes):
     """1F1B over pp=2 whose second stage initialises its attention's query weights again after the
     split (as a script does that builds its stages and calls each stage's init, the start it was
@@ -48,7 +70,8 @@ def stage_reinitialised(model, meshes):
 
 BUGS = ModelCase(build=titan.Transformer, batch=titan.batch, loss=titan.loss, parallelize={
     "wocol": wo_colwise, "nosp": norm_without_sequence_parallel, "hsdpdims": hsdp_wrong_dims,
-    "lossworld": loss_over_world_twice, "stagereinit": stage_reinitialised})
+    "lossworld": loss_over_world_twice, "stagereinit": stage_reinitialised, "tpnosp": tp_without_sequence_parallel,
+    "wopartial": wo_partial_in_one_block})
 
 
 # ---- a tied embedding across pipeline stages --------------------------------------------------------

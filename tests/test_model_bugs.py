@@ -16,7 +16,8 @@ BUGS = [
     (model_cells("bugs", impls=["hsdpdims"], meshes=["rep=2,dp=2"])[0],
      "first diverging parameter gradients (step 1, in backward order): output.weight (module output: replicas"),
     (model_cells("bugs", impls=["lossworld"], meshes=["dp=2"])[0],
-     "first diverging module: output (input gradient, step 1"),
+     "first diverging module: none, it starts in the loss (step 1): every judged forward output matches, the "
+     "gradient the loss hands back to output does not (the reference x 1/2 = 1/dp)"),
     (model_cells("tied", impls=["untied"], meshes=["pp=2"])[0], "tok_embeddings.weight (module tok_embeddings"),
     # a pipeline's microbatch activations, joined, are compared as an unpipelined model's: the bug in
     # the second stage of 1F1B is named at its module

@@ -62,6 +62,24 @@ MODEL = textwrap.dedent('''\
         return fsdp(model, meshes)
 
 
+    def divided_twice(model, meshes):
+        """Data parallel by hand: each gradient summed over dp as autograd computes it and divided by
+        dp, the last layer's by dp once more."""
+        group = meshes.mesh("fsdp").get_group()
+        dp = dist.get_world_size(group)
+        for name, param in model.named_parameters():
+            param.register_hook(lambda grad, by=dp * dp if name.startswith("2.") else dp: averaged(grad, group, by))
+        return model
+
+
+    def averaged(grad, group, by):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad / by
+
+
+    DIVIDED = ModelCase(build=build, batch=batch, loss=lambda out, b: F.mse_loss(out, b["target"]),
+                        parallelize={"twice": divided_twice})
     SEEDED = ModelCase(build=build_seeded_by_rank, batch=batch, loss=lambda out, b: F.mse_loss(out, b["target"]),
                        parallelize={"synced": synced, "fsdp": fsdp})
     ''')
@@ -70,6 +88,7 @@ CONFTEST = textwrap.dedent('''\
 
     register_model("scaled", "worldly:SCALED")
     register_model("seeded", "worldly:SEEDED")
+    register_model("divided", "worldly:DIVIDED")
     ''')
 TEST = textwrap.dedent('''\
     import pytest
@@ -96,11 +115,15 @@ def run_project(root: Path, name: str, meshes: list[str]) -> subprocess.Complete
                           capture_output=True, text=True, timeout=600)
 
 
+def failures(output: str) -> dict[str, str]:
+    """Each failing cell's id -> what pytest printed of it."""
+    return dict(re.findall(r"_ test_cell\[(\S+)\] _+\n(.*?)(?=\n_{3,} test_cell|\n=+ short test summary)", output, re.S))
+
+
 def norm_ratios(output: str) -> dict[str, float]:
     """Each failing cell's id -> the norm ratio of its first gradient row (the ``norm ratio`` column)."""
     ratios = {}
-    for cell, body in re.findall(r"_ test_cell\[(\S+)\] _+\n(.*?)(?=\n_{3,} test_cell|\n=+ short test summary)",
-                                 output, re.S):
+    for cell, body in failures(output).items():
         row = next(line for line in body.splitlines() if re.match(r"\s*grad/", line))
         ratios[cell] = float(row.split()[-3])
     return ratios
@@ -121,6 +144,23 @@ def test_a_loss_divided_by_the_world_size_is_red_on_every_multi_rank_cell(tmp_pa
     written = sorted(p.name for p in (tmp_path / "project" / "golden").rglob("*") if p.is_file()) \
         if (tmp_path / "project" / "golden").exists() else []
     assert all("-dp1-" in name for name in written), written  # only the one-rank cell, which matched
+    for cell, body in failures(done.stdout).items():  # every gradient is the reference over the world, named so
+        world = cell.split("-dp")[1].split("-")[0]
+        assert f"norm ratio {1 / int(world):g}: the reference x 1/{world} = 1/dp" in body, body
+        assert ("first diverging module: none, it starts in the loss (step 1): every judged forward output matches, "
+                f"the gradient the loss hands back to 2 does not (the reference x 1/{world} = 1/dp)") in body, body
+
+
+def test_a_gradient_divided_by_dp_twice_is_named_with_its_group(tmp_path):
+    done = run_project(tmp_path / "project", "divided", ["dp=2"])
+    print(done.stdout[-6000:])
+    assert "1 failed" in done.stdout, done.stdout[-5000:] + done.stderr[-2000:]
+    assert ("first diverging module: 2 (parameter gradients, step 1), in the backward pass: every judged forward "
+            "output matches, the gradient it received still matches, its parameters' gradients") in done.stdout
+    line = next(li for li in done.stdout.splitlines() if li.startswith("first diverging parameter gradients"))
+    assert line == ("first diverging parameter gradients (step 1, in backward order): 2.bias (module 2: mismatch, "
+                    "norm ratio 0.5: the reference x 1/2 = 1/dp, ranks 0,1); 2.weight (module 2: mismatch, "
+                    "norm ratio 0.5: the reference x 1/2 = 1/dp, ranks 0,1)"), line
 
 
 def test_a_build_seeded_by_rank_is_judged_against_rank_0s_model_on_one_process(tmp_path):

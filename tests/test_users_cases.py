@@ -8,7 +8,7 @@ from there (the harness the one on PYTHONPATH, as in tests/test_world.py).
 * the shipped ``qwen3moegmm`` (``harness/examples/qwen3moe_grouped_hf.py``: default grouped_mm experts under
   the EP plan, the reference running ``_grouped_mm`` in fp32), by its built-in name: green;
 * a ``tp_plan`` whose down_proj rowwise style leaves the partial sum: red, naming
-  ``model.layers.0.mlp.down_proj``;
+  ``model.layers.0.mlp.down_proj`` as returning partial sums over tp;
 * accelerate's ``ParallelismConfig`` with dp_shard built from the whole world: red, naming the mesh
   larger than the world and where accelerate built it;
 * the same grouped_mm MoE case without ``fp32_ops``: red, one line naming the op with no fp64 kernel,
@@ -109,7 +109,9 @@ def test_the_grouped_mm_moe_case_runs(run):
 def test_a_tp_plan_leaving_a_rowwise_partial_sum_is_red_and_names_down_proj(run):
     assert outcome(run, "partial") == "FAILED"
     text = failure(run, "partial")
-    assert "first diverging module: model.layers.0.mlp.down_proj" in text, text[-6000:]
+    assert ("first diverging module: model.layers.0.mlp.down_proj (output, step 1, microbatch 0): its inputs still "
+            "match the reference, it returns per-rank partial sums over tp: summed they match the reference; "
+            "model.layers.0.mlp uses them unreduced") in text, text[-6000:]
 
 
 def test_accelerate_with_dp_shard_built_from_the_whole_world_is_red_and_names_the_mesh(run):

@@ -15,10 +15,10 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from .. import events
-from ..cell import assemble_result, cell_deadline, parity
+from ..cell import assemble_result, cell_deadline, parity, reference_for
 from ..compare.diff import Row, compare
 from ..config import Config
-from ..layout import AssemblyError, MeshLayout, assemble
+from ..layout import AssemblyError, MeshLayout, Piece, assemble, summed_over
 from ..pool.parent import Pool
 from ..paths import load
 from ..registry import check_config, get, reference_of
@@ -71,6 +71,8 @@ class Finding:
     outputs: list[Row] = field(default_factory=list)
     note: str = ""  # why it could not be compared
     hooked: bool = False  # its outputs are what hooks registered on the module returned (events.Event)
+    # output -> the mesh dim over which the ranks hold partial sums of it (summed, they match)
+    partial: dict[str, str] = field(default_factory=dict)
 
     @property
     def diverges(self) -> bool:
@@ -101,6 +103,8 @@ class Localisation:
     uncompared: list[Finding] = field(default_factory=list)
     # with complete=True: every event, compared or not, in the reference's order (the report's heatmap)
     findings: list[Finding] = field(default_factory=list)
+    # a result tensor (a gradient) -> the mesh dim over which the ranks hold partial sums of it
+    partial_results: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> str:
         if self.implementation_events == 0 and self.errors:
@@ -144,6 +148,24 @@ class Localisation:
                 "unrecorded": self.unrecorded[:20], "errors": self.errors}
 
 
+def partial_over(name: str, pieces: dict[int, Piece], expected, layout: MeshLayout, tol) -> str | None:
+    """The mesh dim over which ``pieces`` are partial sums of ``expected`` (a tensor): summed over
+    that dim's groups, they match it under ``tol``; None when no dim the pieces are not placed over
+    does so."""
+    placed = next(iter(pieces.values())).placements
+    for dim, degree in layout.dims:
+        if degree < 2 or dim in placed:
+            continue
+        summed = summed_over(pieces, layout, dim)
+        try:
+            got = assemble(name, summed, layout, every_rank=False) if summed else None
+        except AssemblyError:
+            continue
+        if got is not None and all(r.ok for r in compare({name: got}, {name: expected}, tol).rows):
+            return dim
+    return None
+
+
 def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
     """Record the reference's and the implementation's events for ``cfg`` and find the divergence.
     ``complete``: compare every event (kept in ``findings``) instead of stopping where it starts."""
@@ -158,9 +180,20 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
     per_rank = pool.run("harness.bisect.localise:recorded_run", (run, cfg), cfg.mesh, seed=cfg.seed,
                         label=f"{cfg.id} (recording events)", extra_meshes=component.extra_meshes(cfg),
                         deadline=cell_deadline(pool, component))
+    partial_results: dict[str, str] = {}
     try:
         results = {r: got["result"] for r, got in per_rank.items()}
-        result_ok = None not in results.values() and parity(cfg, component, assemble_result(cfg, results))[1].ok
+        result_ok = None not in results.values()
+        if result_ok:
+            tol_of, report = parity(cfg, component, assemble_result(cfg, results))
+            result_ok = report.ok
+            expected = reference_for(cfg)
+            for name in dict.fromkeys(r.tensor for r in report.failing()):
+                if name in expected and all(name in got for got in results.values()):
+                    dim = partial_over(name, {r: got[name] for r, got in results.items()}, expected[name],
+                                       MeshLayout.of(cfg.mesh), tol_of)
+                    if dim:
+                        partial_results[name] = dim
     except AssemblyError:
         result_ok = False
     parallel: dict[str, dict[int, events.Event]] = defaultdict(dict)
@@ -171,7 +204,8 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
     tol = tolerance(cfg.dtype, sizes if isinstance(sizes, int) else sizes["*"])
     layout = MeshLayout.of(cfg.mesh)
     found = Localisation(len(reference), len(parallel), result_ok=result_ok,
-                         errors={r: got["error"] for r, got in per_rank.items() if got["error"]})
+                         errors={r: got["error"] for r, got in per_rank.items() if got["error"]},
+                         partial_results=partial_results)
     for want in reference:
         ranks = parallel.get(want.key)
         if not ranks:
@@ -183,12 +217,19 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
         try:
             for role in ("inputs", "outputs"):
                 expected = {n: p.tensor for n, p in getattr(want, role).items()}
-                got = {n: assemble(f"{want.key} {n}", {r: getattr(e, role)[n] for r, e in ranks.items()
-                                                        if n in getattr(e, role)}, layout, every_rank=False)
-                       for n in expected if any(n in getattr(e, role) for e in ranks.values())}
                 # a tensor no rank recorded (one a rank cannot place on the mesh) is not compared:
                 # its absence says nothing about the numbers
-                getattr(finding, role).extend(compare(got, {n: expected[n] for n in got}, tol).rows)
+                pieces = {n: {r: getattr(e, role)[n] for r, e in ranks.items() if n in getattr(e, role)}
+                          for n in expected}
+                pieces = {n: held for n, held in pieces.items() if held}
+                got = {n: assemble(f"{want.key} {n}", held, layout, every_rank=False) for n, held in pieces.items()}
+                rows = compare(got, {n: expected[n] for n in got}, tol).rows
+                getattr(finding, role).extend(rows)
+                if role == "outputs":
+                    for n in dict.fromkeys(r.tensor for r in rows if not r.ok):
+                        dim = partial_over(n, pieces[n], expected[n], layout, tol)
+                        if dim:
+                            finding.partial[n] = dim
         except AssemblyError as error:
             finding.note = str(error)
             found.uncompared.append(finding)

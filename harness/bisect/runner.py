@@ -79,7 +79,7 @@ class Trials:
             return Trial(cfg, Signature(error.kind, detail=_first_failure(error)), 0.0)
         except (AssemblyError, PoolError) as error:
             return Trial(cfg, Signature("crash", detail=str(error).splitlines()[0]), 0.0)
-        return Trial(cfg, of_report(outcome.parity), 0.0, outcome)
+        return Trial(cfg, of_report(outcome.parity, cfg.mesh), 0.0, outcome)
 
     def _oracle(self, cfg: Config) -> Trial:
         command = [part.replace("{}", cfg.id) for part in self.oracle]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import combinations
 
 from ..compare.diff import Report
 
@@ -59,8 +60,28 @@ def whole_factor(ratio: float, tolerance: float = 0.02) -> int | None:
     return None
 
 
-def of_report(report: Report) -> Signature:
-    """The signature of a comparison against the reference."""
+def groups_of_size(k: int, mesh=()) -> list[str]:
+    """The mesh dims of ``mesh`` (``(name, degree)`` pairs), alone or together in mesh order
+    (``dp·tp``), whose groups hold ``k`` ranks: the group sizes a gradient may have been divided by."""
+    dims = [(name, degree) for name, degree in mesh if degree > 1]
+    return ["·".join(name for name, _ in combo) for size in range(1, len(dims) + 1)
+            for combo in combinations(dims, size) if math.prod(d for _, d in combo) == k]
+
+
+def factor_text(ratio: float, fit_residual: float, mesh=()) -> str | None:
+    """``x 1/2 = 1/dp``: a tensor of norm ``ratio`` times the reference's that is the reference times
+    a whole factor (``fit_residual`` below :data:`FIT`), or one over it, named with the groups of
+    ``mesh`` of that size (``= 1/dp or 1/tp`` where two are); None when it is no such multiple."""
+    k = whole_factor(ratio)
+    if k is None or not fit_residual < FIT:
+        return None
+    over = "" if ratio > 1 else "1/"
+    groups = groups_of_size(k, mesh)
+    return f"x {over}{k}" + (" = " + " or ".join(over + g for g in groups) if groups else "")
+
+
+def of_report(report: Report, mesh=()) -> Signature:
+    """The signature of a comparison against the reference (``mesh``: the cell's, to name a factor's group)."""
     failing = sorted(report.failing(), key=lambda r: -r.ratio)
     if not failing:
         return Signature("match")
@@ -73,10 +94,9 @@ def of_report(report: Report) -> Signature:
     shaped = [r for r in failing if r.problem == "mismatch" and r.numel > 1]
     candidates = shaped or [r for r in failing if r.problem == "mismatch"]
     for row in candidates:
-        k = whole_factor(row.norm_ratio)
-        if k is not None and row.fit_residual < FIT:
-            side = f"x{k}" if row.norm_ratio > 1 else f"1/{k}"
+        factor = factor_text(row.norm_ratio, row.fit_residual, mesh)
+        if factor is not None:
             tensors = (row.tensor,) + tuple(t for t in tensors if t != row.tensor)
-            return Signature("scale", tensors, f"{row.tensor} = reference {side}")
+            return Signature("scale", tensors, f"{row.tensor} = reference {factor}")
     worst = failing[0]
     return Signature("mismatch", tensors, f"{worst.tensor} err/tol {worst.ratio:.3g}")

@@ -18,6 +18,7 @@ import math
 import re
 
 from ..bisect.localise import localise
+from ..bisect.signature import factor_text
 from ..config import Config
 from ..names import grad_name, parse
 from ..registry import Diagnosis
@@ -36,7 +37,7 @@ def diagnose(case: ModelCase, cfg: Config, pool, report, rerun: bool) -> Diagnos
         return Diagnosis(record={"model": record})
     with configured(case, cfg), any_world():
         params = [n for n, _ in start_model(case, cfg).named_parameters()]
-    lines, first = [], None
+    lines, first, partial = [], None, {}
     if rerun and pool.can_rerun:
         try:
             found = localise(cfg, pool, complete=True)
@@ -44,9 +45,10 @@ def diagnose(case: ModelCase, cfg: Config, pool, report, rerun: bool) -> Diagnos
             record["modules_error"] = f"{type(error).__name__}: {error}"
         else:
             record["modules"] = module_rows(found)
-            first, line = where_it_starts(found, report)
+            partial = found.partial_results
+            first, line = where_it_starts(found, report, cfg.mesh)
             lines.append(line)
-    gradients = first_gradients(params, report)
+    gradients = first_gradients(params, report, cfg.mesh, partial)
     return Diagnosis("\n".join(lines + ([gradients] if gradients else [])), {"model": record},
                      order=table_order(params, first))
 
@@ -93,18 +95,19 @@ def _owned(module: str, report) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def where_it_starts(found, report) -> tuple[str | None, str]:
+def where_it_starts(found, report, mesh=()) -> tuple[str | None, str]:
     """The first diverging module and the line that names it: in the forward pass of step 1, the
-    first module whose judged output diverges; where every judged forward output matches, in the
-    backward pass, the first module (in the order backward reaches them) whose input gradient or
-    own parameters' gradients (the cell's comparison) diverge. Events with nothing placed are not
-    judged."""
+    first module whose judged output diverges; where every judged forward output matches, the loss
+    when the gradient it hands back to the model already differs (with the group whose size scales
+    it, of ``mesh``), else in the backward pass, the first module (in the order backward reaches
+    them) whose input gradient or own parameters' gradients (the cell's comparison) diverge. Events
+    with nothing placed are not judged."""
     step1 = [f for f in found.findings if _where(f.key).get("step") == "1"]
     judged = [f for f in step1 if f.inputs or f.outputs]
     diverging = [f for f in judged if f.key.startswith("fwd") and f.diverges]
     # what hooks parallelize put on a module may hand back per-rank forms by design: such an output is
     # where a divergence starts only when nothing else is and the step's loss differs
-    by_hooks = [f for f in diverging if f.hooked and f.starts_here]
+    by_hooks = [f for f in diverging if f.hooked and f.starts_here and not f.partial]
     forward = next((f for f in diverging if f not in by_hooks), None)
     loss_differs = any(parse(r.tensor) == parse("loss/step1") for r in report.failing())
     if forward is None and by_hooks and loss_differs:
@@ -114,12 +117,26 @@ def where_it_starts(found, report) -> tuple[str | None, str]:
             "through the hooks parallelize registered on it does not, and the loss of step 1 differs")
     if forward is not None:
         module = _where(forward.key)["module"]
+        if forward.starts_here and forward.partial:
+            parent = module.rpartition(".")[0] or "the model"
+            return module, (f"first diverging module: {module_of(forward.key)}: its inputs still match the "
+                            f"reference, it returns per-rank partial sums over {_dims(forward.partial)}: summed they "
+                            f"match the reference; {parent} uses them unreduced")
         if forward.starts_here:
             return module, (f"first diverging module: {module_of(forward.key)}: its inputs still match the "
                             "reference, its outputs do not")
         return module, (f"first diverging module: {module_of(forward.key)}; what it received already differs: "
                         "the divergence starts before it, in code no module hook sees (between modules, a hook)")
-    for event in (f for f in step1 if f.key.startswith("bwd")):
+    backward = [f for f in step1 if f.key.startswith("bwd")]
+    if not diverging and backward and any(not r.ok for r in backward[0].inputs):
+        last = _where(backward[0].key)["module"]
+        bad = next(r for r in backward[0].inputs if not r.ok)
+        factor = factor_text(bad.norm_ratio, bad.fit_residual, mesh)
+        return None, (f"first diverging module: none, it starts in the loss (step 1): every judged forward output "
+                      f"matches, the gradient the loss hands back to {last} does not"
+                      + (f" (the reference {factor})" if factor else f" (norm ratio {bad.norm_ratio:.4g})")
+                      + ": the loss function, what it is divided by, or code between the model and it")
+    for event in backward:
         module = _where(event.key)["module"]
         own = _owned(module, report)
         passes_on = any(not r.ok for r in event.outputs)
@@ -127,6 +144,14 @@ def where_it_starts(found, report) -> tuple[str | None, str]:
             continue
         received = ("is not compared" if not event.inputs else
                     "still matches" if all(r.ok for r in event.inputs) else "already differs")
+        partial = {d for n in own if (d := found.partial_results.get(grad_name(f"{module}.{n}")))}
+        if own and not passes_on and len(partial) == 1 and all(
+                grad_name(f"{module}.{n}") in found.partial_results for n in own):
+            dim = partial.pop()
+            return module, (f"first diverging module: {module} (parameter gradients, step 1), in the backward pass: "
+                            f"the gradient it received {received}, its parameters' gradients ({', '.join(own)}) "
+                            f"are per-rank partial sums over {dim} (summed they match the reference): their "
+                            f"all-reduce over {dim} is missing")
         wrong = " and ".join((["its input gradient"] if passes_on else [])
                              + ([f"its parameters' gradients ({', '.join(own)})"] if own else []))
         head = module_of(event.key) if passes_on else f"{module} (parameter gradients, step 1)"
@@ -141,6 +166,12 @@ def where_it_starts(found, report) -> tuple[str | None, str]:
                   "reference, so the divergence is in the gradient reduction, the optimizer step or the loss")
 
 
+def _dims(partial: dict[str, str]) -> str:
+    """The mesh dims a finding's outputs are partial sums over: ``tp``, or ``tp (output.0), dp (output.1)``."""
+    dims = set(partial.values())
+    return dims.pop() if len(dims) == 1 else ", ".join(f"{d} ({n})" for n, d in partial.items())
+
+
 def table_order(params: list[str], first: str | None) -> list[str]:
     """The parameters whose tensors a failing model cell's table lists first: the first diverging
     module's, then every parameter in the order backward computes them (the last module's first);
@@ -151,15 +182,28 @@ def table_order(params: list[str], first: str | None) -> list[str]:
     return [p for p in backward if p.rpartition(".")[0] == first] + [p for p in backward if p.rpartition(".")[0] != first]
 
 
-def first_gradients(names: list[str], report, most: int = 3) -> str:
+def first_gradients(names: list[str], report, mesh=(), partial: dict[str, str] | None = None, most: int = 3) -> str:
     """The parameters (``names``: in forward order) whose step-1 gradient diverges, in the order
-    backward computes them (the last module's first), each with its module and what is wrong; ""
-    when every gradient matches."""
+    backward computes them (the last module's first), each with its module and what is wrong: a
+    gradient the ranks hold as partial sums over a mesh dim (``partial``: gradient name -> dim, from
+    the localisation) says its all-reduce is missing; one that is the reference times a group's size
+    or one over it says which group, of ``mesh``; "" when every gradient matches."""
     failing = {row.tensor: row for row in report.failing()}
     bad = [(n, failing[grad_name(n)]) for n in reversed(names) if grad_name(n) in failing]
     if not bad:
         return ""
-    shown = [f"{n} (module {n.rpartition('.')[0] or n}: {row.problem}, norm ratio {row.norm_ratio:.4g}"
-             + (f", ranks {row.ranks}" if row.ranks else "") + ")" for n, row in bad[:most]]
+
+    def factor(row) -> str:
+        text = factor_text(row.norm_ratio, row.fit_residual, mesh) if row.problem == "mismatch" else None
+        return f": the reference {text}" if text else ""
+
+    def problem(n: str, row) -> str:
+        dim = (partial or {}).get(grad_name(n))
+        if dim:
+            return f"partial sums over {dim} (summed they match the reference): its all-reduce over {dim} is missing"
+        return f"{row.problem}, norm ratio {row.norm_ratio:.4g}{factor(row)}"
+
+    shown = [f"{n} (module {n.rpartition('.')[0] or n}: {problem(n, row)}" + (f", ranks {row.ranks}" if row.ranks else "")
+             + ")" for n, row in bad[:most]]
     more = f", and {len(bad) - most} more" if len(bad) > most else ""
     return f"first diverging parameter gradients (step 1, in backward order): {'; '.join(shown)}{more}"
