@@ -78,7 +78,9 @@ def reference_for(cfg: Config, pool=None, calibration: bool = False) -> dict[str
         if pool is None:
             _references[key] = (component.calibration_result if calibration else component.reference_result)(cfg)
         else:
-            _references[key] = pool.reference(path, cfg, deadline=cell_deadline(pool, component))
+            _references[key] = pool.alone("harness.pool.tasks:reference", (path, cfg.problem), cfg.problem.mesh,
+                                          seed=cfg.seed, label=f"{cfg.id} (its reference)",
+                                          deadline=cell_deadline(pool, component))
     result = _references[key]
     if NOT_JUDGED in result:
         raise NotJudged(result[NOT_JUDGED])

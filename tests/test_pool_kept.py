@@ -24,6 +24,8 @@ from tests.checkout import user_env
 from tests.test_outside_project import IMPLEMENTATIONS, code_blocks, doc_section, project_files
 
 ROOT = Path(__file__).resolve().parent.parent
+# what one pytest run asks a kept pool for: the cells' pool and the pool of one beside it (references)
+POOLS_PER_RUN = 2
 ONE_CELL = "tp2 and fp32"
 
 
@@ -149,7 +151,7 @@ def test_an_edit_of_a_registered_implementation_is_seen_by_the_next_run_on_a_kep
     # torch.unravel_index (sympy): pytest's process imports torch and no more of torch's lazy modules
     assert heavy.read_text() == "", heavy.read_text()
     kept = status(project, env)
-    assert kept and kept["runs"] == 1, kept  # alive
+    assert kept and kept["runs"] == POOLS_PER_RUN, kept  # alive
     # and no run's ranks left, once the run zygote has seen its client's end (a fast client exits first)
     assert wait_until(lambda: status(project, env)["live"] == [], 10), status(project, env)
 
@@ -161,7 +163,7 @@ def test_an_edit_of_a_registered_implementation_is_seen_by_the_next_run_on_a_kep
     assert second.returncode == 1, second.stdout[-3000:]
     assert "diverges from the reference" in second.stdout, second.stdout[-3000:]
     again = status(project, env)
-    assert again["pid"] == kept["pid"] and again["runs"] == 2, (kept, again)  # the same kept pool
+    assert again["pid"] == kept["pid"] and again["runs"] == 2 * POOLS_PER_RUN, (kept, again)  # the same kept pool
 
     impl.write_text(source)
     third = pytest_in(project, env, "-k", ONE_CELL)
@@ -197,7 +199,7 @@ def test_a_kept_pool_belongs_to_one_checkout_and_stale_harness_files_restart_it(
     assert pytest_in(a, env, "-k", ONE_CELL).returncode == 0
     assert pytest_in(b, env, "-k", ONE_CELL).returncode == 0
     in_a, in_b = status(a, env), status(b, env)
-    assert in_a["pid"] != in_b["pid"] and in_a["runs"] == in_b["runs"] == 1, (in_a, in_b)
+    assert in_a["pid"] != in_b["pid"] and in_a["runs"] == in_b["runs"] == POOLS_PER_RUN, (in_a, in_b)
     assert len([n for n in left_in(box["runtime"] / "paritytest") if n.endswith(".sock")]) == 2
 
     # a keeper whose harness files changed since it started is stale: the next run starts another
@@ -206,7 +208,7 @@ def test_a_kept_pool_belongs_to_one_checkout_and_stale_harness_files_restart_it(
     os.utime(kept.__file__)
     assert pytest_in(a, env, "-k", ONE_CELL).returncode == 0
     fresh = status(a, env)
-    assert fresh["pid"] != in_a["pid"] and fresh["runs"] == 1, (in_a, fresh)
+    assert fresh["pid"] != in_a["pid"] and fresh["runs"] == POOLS_PER_RUN, (in_a, fresh)
     assert wait_until(lambda: gone(in_a["pid"]), 30)
 
     for project in (a, b):

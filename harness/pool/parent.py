@@ -377,23 +377,16 @@ class Pool:
         of one kept beside this one (started on first use, closed with it), whose world never
         changes. Run on this pool's first rank instead, it would take this pool from the cells' world
         to one of one and back, and every mesh built for the cells would be built again after it (a
-        rendezvous on every rank: the checkpoint cells ran twice as long so). Returns that rank's
-        value; raises :class:`CaseFailure` as :meth:`run`."""
+        rendezvous on every rank: the checkpoint cells ran twice as long so). A rank paid torch's
+        lazy imports before its fork (the optimizer step's ``torch._dynamo``, about 1 s), so a
+        reference computed here costs this process none of them. Returns that rank's value; raises
+        :class:`CaseFailure` as :meth:`run`."""
         if world_of(mesh) != 1:
             raise PoolError(f"a task alone runs on a mesh of one rank, not {mesh}")
         if self._alone is None:
             self._alone = Pool(1, self.backend, self.deadline, self.start_timeout, self.preload, self.keep, self.root)
         return self._alone.run(fn, payload, mesh, seed=seed, label=label,
                                deadline=self.deadline if deadline is None else deadline)[0]
-
-    def reference(self, path: str, cfg, *, deadline: float | None = None):
-        """``path(cfg.problem)``, a cell's single-process reference, computed in a world of one
-        (:meth:`alone`: its default group of one rank, ``WORLD_SIZE=1``), so that code reading the
-        world computes what one process computes, whichever cells ran before. A rank paid torch's
-        lazy imports before its fork (the optimizer step's ``torch._dynamo``, about 1 s), so this
-        process never pays them."""
-        return self.alone("harness.pool.tasks:reference", (path, cfg.problem), cfg.problem.mesh, seed=cfg.seed,
-                          label=f"{cfg.id} (its reference)", deadline=deadline)
 
     def _task_in_scratch(self, fn: str, payload: Any, mesh: tuple, extra: tuple, seed: int, world: int,
                          deadline: float, label: str, given: str | None = None) -> dict[int, Any]:

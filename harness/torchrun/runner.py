@@ -143,11 +143,12 @@ class RankRunner:
         job's scratch instead (:meth:`run`)."""
         return None
 
-    def reference(self, path: str, cfg, *, deadline: float | None = None):
-        """``path(cfg.problem)``, a cell's single-process reference, on rank 0 in a world of one (the
-        job's other ranks follow the round and idle), as in the pool."""
-        values = self.run("harness.pool.tasks:reference", (path, cfg.problem), cfg.problem.mesh, seed=cfg.seed,
-                          label=f"{cfg.id} (its reference)", deadline=deadline)
+    def alone(self, fn: str, payload: Any, mesh: tuple[tuple[str, int], ...], *, seed: int = 0,
+              deadline: float | None = None, label: str = "") -> Any:
+        """``fn(ctx, payload)`` on ``mesh`` (every degree 1) in a world of one, as the pool's
+        :meth:`~harness.pool.parent.Pool.alone`: on rank 0, the job's other ranks following the round
+        and idling. Rank 0's value there, None on the other ranks."""
+        values = self.run(fn, payload, mesh, seed=seed, label=label, deadline=deadline)
         return None if values is None else values[0]
 
     def _publish(self, out: tuple) -> None:
