@@ -4,6 +4,8 @@ each a mistake made in the user's own code, through the framework's own API, nev
 * ``PARTIAL``: ``harness/examples/pretrained_hf.py`` loading with a ``tp_plan`` that overrides
   ``model.layers.*.mlp.down_proj`` with a rowwise style that does not reduce (registered as transformers'
   users register a style): each rank keeps its partial sum of the down projection;
+* ``LOSSWORLD``: the same model under its shipped TP plan, its loss divided by the world size (as if
+  averaged by hand for data parallelism): every gradient is the reference over tp;
 * ``ACCEL``: ``harness/examples/accelerate_hf.py`` with ``ParallelismConfig(dp_shard_size=WORLD_SIZE,
   tp_size=2)``: the dp_shard dim built from the whole world, the tp ranks not taken out;
 * ``NOFP64``: ``harness/examples/qwen3moe_grouped_hf.py`` as a user first writes it, without
@@ -28,6 +30,11 @@ def rowwise_without_reduce(model, meshes):
     return pretrained_hf.parallelize(model, meshes, tp_plan={"model.layers.*.mlp.down_proj": "rowwise_local"})
 
 
+def loss_over_world(out, batch):
+    """The model's loss divided by the world size."""
+    return pretrained_hf.loss(out, batch) / dist.get_world_size()
+
+
 def dp_shard_over_the_world(model, meshes):
     """accelerate's ND parallelism with the dp_shard degree taken from the whole world."""
     from accelerate import ParallelismConfig
@@ -38,6 +45,7 @@ def dp_shard_over_the_world(model, meshes):
 
 PARTIAL = ModelCase(build=pretrained_hf.build, batch=pretrained_hf.batch, loss=pretrained_hf.loss,
                     forward=pretrained_hf.forward, parallelize={"partial": rowwise_without_reduce})
+LOSSWORLD = dataclasses.replace(PARTIAL, loss=loss_over_world, parallelize={"auto": pretrained_hf.parallelize})
 ACCEL = ModelCase(build=accelerate_hf.build, batch=accelerate_hf.batch, loss=accelerate_hf.loss,
                   forward=accelerate_hf.forward, parallelize={"worldshard": dp_shard_over_the_world})
 NOFP64 = dataclasses.replace(qwen3moe_grouped_hf.CASE, fp32_ops=())

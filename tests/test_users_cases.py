@@ -9,12 +9,15 @@ from there (the harness the one on PYTHONPATH, as in tests/test_world.py).
   the EP plan, the reference running ``_grouped_mm`` in fp32), by its built-in name: green;
 * a ``tp_plan`` whose down_proj rowwise style leaves the partial sum: red, naming
   ``model.layers.0.mlp.down_proj`` as returning partial sums over tp;
+* the same model under its shipped plan with its loss divided by the world size: red, saying it starts
+  in the loss (x 1/2 = 1/tp) and listing the gradients in the order backward computed them (the mlp
+  before the norm that runs before it, though the decoder layer registers the mlp first);
 * accelerate's ``ParallelismConfig`` with dp_shard built from the whole world: red, naming the mesh
   larger than the world and where accelerate built it;
 * the same grouped_mm MoE case without ``fp32_ops``: red, one line naming the op with no fp64 kernel,
   the module it ran in and the fix, no traceback.
 
-The five cells run in one pytest session (one pool): each test below reads its own cell's part.
+The six cells run in one pytest session (one pool): each test below reads its own cell's part.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ CONFTEST = textwrap.dedent('''\
     register_model("mypretrained", "mypretrained:CASE")
     register_model("partialtp", "tests.model_bugs_users:PARTIAL")
     register_model("worldshard", "tests.model_bugs_users:ACCEL")
+    register_model("lossworld", "tests.model_bugs_users:LOSSWORLD")
     register_model("nofp64", "tests.model_bugs_users:NOFP64")
     ''')
 TEST = textwrap.dedent('''\
@@ -48,6 +52,7 @@ TEST = textwrap.dedent('''\
              + model_cells("qwen3moegmm", meshes=["dp=2"], switches={"ep": ["2"]})  # the shipped one, by name
              + model_cells("partialtp", meshes=["tp=2"])
              + model_cells("worldshard", meshes=["dp=2,tp=2"])
+             + model_cells("lossworld", meshes=["tp=2"])
              + model_cells("nofp64", meshes=["dp=2"], switches={"ep": ["2"]}))
 
 
@@ -59,6 +64,7 @@ IDS = {"pretrained": "mypretrained-auto-tp2-fp32-plain-steps3-seed0",
        "moe": "qwen3moegmm-ep-dp2-fp32-ep_2-steps3-seed0",
        "partial": "partialtp-partial-tp2-fp32-plain-steps3-seed0",
        "worldshard": "worldshard-worldshard-dp2.tp2-fp32-plain-steps3-seed0",
+       "lossworld": "lossworld-auto-tp2-fp32-plain-steps3-seed0",
        "nofp64": "nofp64-ep-dp2-fp32-ep_2-steps3-seed0"}
 
 
@@ -112,6 +118,16 @@ def test_a_tp_plan_leaving_a_rowwise_partial_sum_is_red_and_names_down_proj(run)
     assert ("first diverging module: model.layers.0.mlp.down_proj (output, step 1, microbatch 0): its inputs still "
             "match the reference, it returns per-rank partial sums over tp: summed they match the reference; "
             "model.layers.0.mlp uses them unreduced") in text, text[-6000:]
+
+
+def test_a_loss_over_the_world_says_it_starts_in_the_loss_and_lists_gradients_in_backward_order(run):
+    assert outcome(run, "lossworld") == "FAILED"
+    text = failure(run, "lossworld")
+    assert ("first diverging module: none, it starts in the loss (step 1): every judged forward output matches, "
+            "the gradient the loss hands back to lm_head does not (the reference x 1/2 = 1/tp)") in text, text[-6000:]
+    line = next(li for li in text.splitlines() if li.startswith("first diverging parameter gradients"))
+    names = re.findall(r"(?:: |; )([\w.]+) \(module", line)
+    assert names == ["lm_head.weight", "model.norm.weight", "model.layers.1.mlp.down_proj.weight"], line
 
 
 def test_accelerate_with_dp_shard_built_from_the_whole_world_is_red_and_names_the_mesh(run):

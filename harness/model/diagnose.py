@@ -37,7 +37,7 @@ def diagnose(case: ModelCase, cfg: Config, pool, report, rerun: bool) -> Diagnos
         return Diagnosis(record={"model": record})
     with configured(case, cfg), any_world():
         params = [n for n, _ in start_model(case, cfg).named_parameters()]
-    lines, first, partial = [], None, {}
+    lines, first, partial, found = [], None, {}, None
     if rerun and pool.can_rerun:
         try:
             found = localise(cfg, pool, complete=True)
@@ -48,9 +48,10 @@ def diagnose(case: ModelCase, cfg: Config, pool, report, rerun: bool) -> Diagnos
             partial = found.partial_results
             first, line = where_it_starts(found, report, cfg.mesh)
             lines.append(line)
-    gradients = first_gradients(params, report, cfg.mesh, partial)
+    backward = backward_order(params, found)
+    gradients = first_gradients(backward, report, cfg.mesh, partial)
     return Diagnosis("\n".join(lines + ([gradients] if gradients else [])), {"model": record},
-                     order=table_order(params, first))
+                     order=table_order(backward, first))
 
 
 def losses(report) -> dict[str, list[float]]:
@@ -172,24 +173,40 @@ def _dims(partial: dict[str, str]) -> str:
     return dims.pop() if len(dims) == 1 else ", ".join(f"{d} ({n})" for n, d in partial.items())
 
 
-def table_order(params: list[str], first: str | None) -> list[str]:
+def backward_order(params: list[str], found=None) -> list[str]:
+    """``params`` (in registration order) in the order backward computes their gradients: by when
+    their module's backward hook fired in the reference's step 1 (``found``: a localisation), and
+    else, or for a module that recorded none, in reverse registration order (which puts a
+    transformers decoder layer's norms before its mlp, registered first though it runs last)."""
+    reverse = list(reversed(params))
+    if found is None:
+        return reverse
+    fired: dict[str, int] = {}
+    for finding in found.findings:
+        where = _where(finding.key)
+        if finding.key.startswith("bwd") and where.get("step") == "1":
+            fired.setdefault(where.get("module", ""), len(fired))
+    return sorted(reverse, key=lambda p: fired.get(p.rpartition(".")[0], len(fired)))
+
+
+def table_order(backward: list[str], first: str | None) -> list[str]:
     """The parameters whose tensors a failing model cell's table lists first: the first diverging
-    module's, then every parameter in the order backward computes them (the last module's first);
-    the rest (losses) follow."""
-    backward = list(reversed(params))
+    module's, then every parameter in the order backward computes them (``backward``); the rest
+    (losses) follow."""
     if first is None:
         return backward
     return [p for p in backward if p.rpartition(".")[0] == first] + [p for p in backward if p.rpartition(".")[0] != first]
 
 
-def first_gradients(names: list[str], report, mesh=(), partial: dict[str, str] | None = None, most: int = 3) -> str:
-    """The parameters (``names``: in forward order) whose step-1 gradient diverges, in the order
-    backward computes them (the last module's first), each with its module and what is wrong: a
+def first_gradients(backward: list[str], report, mesh=(), partial: dict[str, str] | None = None,
+                    most: int = 3) -> str:
+    """The parameters whose step-1 gradient diverges, in the order backward computes them
+    (``backward``: :func:`backward_order`), each with its module and what is wrong: a
     gradient the ranks hold as partial sums over a mesh dim (``partial``: gradient name -> dim, from
     the localisation) says its all-reduce is missing; one that is the reference times a group's size
     or one over it says which group, of ``mesh``; "" when every gradient matches."""
     failing = {row.tensor: row for row in report.failing()}
-    bad = [(n, failing[grad_name(n)]) for n in reversed(names) if grad_name(n) in failing]
+    bad = [(n, failing[grad_name(n)]) for n in backward if grad_name(n) in failing]
     if not bad:
         return ""
 
