@@ -133,7 +133,8 @@ def pytest_collection_finish(session):
         cfgs = [selection.cell_config(item) for item in users]
         # the ranks import what the selected cells run, no more: one cell by id starts fast
         preload = default_preload(cfgs) if all(cfgs) else None
-        _pool(config, _ranks_needed(cfgs, config.getoption("--pool-size")), preload).launch()
+        # and the pool of one the references run in: both import while pytest collects and sets up
+        _pool(config, _ranks_needed(cfgs, config.getoption("--pool-size")), preload).launch(alone=True)
 
 
 def _ranks_needed(cfgs, most: int) -> int:

@@ -154,7 +154,9 @@ def explore(component: str, impl: str, pool: Pool, budget: Budget, *, db_path: P
     result.stored = len(list(db.fetch(database_key(component, impl)))) if db else 0
     trials = Trials(pool, log, max_trials=math.inf, max_seconds=math.inf, quiet=True)
     seen: dict[Config, Trial] = {}
-    pool.start()  # the clock measures exploring, not the ranks' start (a few seconds, once per process)
+    # the clock measures exploring, not the ranks' start (a few seconds, once per process), the pool
+    # of one the references run in included
+    pool.start(alone=True)
     start = time.monotonic()
     found_at: list[float] = []
 

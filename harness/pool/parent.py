@@ -202,8 +202,11 @@ class Pool:
         return (([self._proc.pid] if self._proc else []) + list(self._pids.values())
                 + (self._alone.pids if self._alone else []))
 
-    def launch(self) -> None:
-        """Start the zygote without waiting for it: its torch import overlaps the caller's work."""
+    def launch(self, alone: bool = False) -> None:
+        """Start the zygote without waiting for it: its torch import overlaps the caller's work.
+        ``alone``: the pool of one beside it too (:meth:`alone`), its imports overlapping as well."""
+        if alone:
+            self._beside().launch()
         if self._proc is not None and self._proc.poll() is None:
             return
         self.kill()
@@ -262,10 +265,17 @@ class Pool:
             os.close(status_write)
         return kept.Remote(reply["pid"], sock, status_read)
 
-    def start(self) -> None:
-        """Launch if needed and wait until every rank has joined the process group."""
-        if self.alive and self._ready:
-            return
+    def start(self, alone: bool = False) -> None:
+        """Launch if needed and wait until every rank has joined the process group; ``alone``: the
+        pool of one beside it (:meth:`alone`) too, the two starting together."""
+        if alone:
+            self._beside().launch()
+        if not (self.alive and self._ready):
+            self._start()
+        if alone:
+            self._beside().start()
+
+    def _start(self) -> None:
         self.launch()
         end = time.monotonic() + self.start_timeout
         while self._port is None:
@@ -383,10 +393,14 @@ class Pool:
         :class:`CaseFailure` as :meth:`run`."""
         if world_of(mesh) != 1:
             raise PoolError(f"a task alone runs on a mesh of one rank, not {mesh}")
+        return self._beside().run(fn, payload, mesh, seed=seed, label=label,
+                               deadline=self.deadline if deadline is None else deadline)[0]
+
+    def _beside(self) -> Pool:
+        """The pool of one beside this one (:meth:`alone`), made on first use."""
         if self._alone is None:
             self._alone = Pool(1, self.backend, self.deadline, self.start_timeout, self.preload, self.keep, self.root)
-        return self._alone.run(fn, payload, mesh, seed=seed, label=label,
-                               deadline=self.deadline if deadline is None else deadline)[0]
+        return self._alone
 
     def _task_in_scratch(self, fn: str, payload: Any, mesh: tuple, extra: tuple, seed: int, world: int,
                          deadline: float, label: str, given: str | None = None) -> dict[int, Any]:
