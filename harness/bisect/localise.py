@@ -166,6 +166,20 @@ def partial_over(name: str, pieces: dict[int, Piece], expected, layout: MeshLayo
     return None
 
 
+def partial_sums(rows: list[Row], pieces: dict[str, dict[int, Piece]], expected: dict, layout: MeshLayout,
+                 tol) -> dict[str, str]:
+    """Each tensor of ``rows`` whose copies disagree (a failing ``replicas`` row) and whose ranks'
+    ``pieces`` are partial sums of ``expected`` -> the mesh dim they are partial over
+    (:func:`partial_over`). Copies that agree are no partial sums, whatever their sum: every rank
+    holding half the gradient is the gradient over dp, a scale."""
+    found = {}
+    for name in dict.fromkeys(r.tensor for r in rows if r.problem == "replicas" and not r.ok):
+        dim = partial_over(name, pieces[name], expected[name], layout, tol)
+        if dim:
+            found[name] = dim
+    return found
+
+
 def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
     """Record the reference's and the implementation's events for ``cfg`` and find the divergence.
     ``complete``: compare every event (kept in ``findings``) instead of stopping where it starts."""
@@ -180,6 +194,7 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
     per_rank = pool.run("harness.bisect.localise:recorded_run", (run, cfg), cfg.mesh, seed=cfg.seed,
                         label=f"{cfg.id} (recording events)", extra_meshes=component.extra_meshes(cfg),
                         deadline=cell_deadline(pool, component))
+    layout = MeshLayout.of(cfg.mesh)
     partial_results: dict[str, str] = {}
     try:
         results = {r: got["result"] for r, got in per_rank.items()}
@@ -188,12 +203,10 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
             tol_of, report = parity(cfg, component, assemble_result(cfg, results))
             result_ok = report.ok
             expected = reference_for(cfg)
-            for name in dict.fromkeys(r.tensor for r in report.failing()):
-                if name in expected and all(name in got for got in results.values()):
-                    dim = partial_over(name, {r: got[name] for r, got in results.items()}, expected[name],
-                                       MeshLayout.of(cfg.mesh), tol_of)
-                    if dim:
-                        partial_results[name] = dim
+            held = set(results[min(results)])  # every rank holds the same names (assemble_result)
+            rows = [r for r in report.failing() if r.tensor in expected and r.tensor in held]
+            partial_results = partial_sums(rows, {r.tensor: {k: got[r.tensor] for k, got in results.items()}
+                                                  for r in rows}, expected, layout, tol_of)
     except AssemblyError:
         result_ok = False
     parallel: dict[str, dict[int, events.Event]] = defaultdict(dict)
@@ -202,7 +215,6 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
             parallel[event.key][rank] = event
     sizes = component.reduction_size(cfg)
     tol = tolerance(cfg.dtype, sizes if isinstance(sizes, int) else sizes["*"])
-    layout = MeshLayout.of(cfg.mesh)
     found = Localisation(len(reference), len(parallel), result_ok=result_ok,
                          errors={r: got["error"] for r, got in per_rank.items() if got["error"]},
                          partial_results=partial_results)
@@ -226,10 +238,7 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
                 rows = compare(got, {n: expected[n] for n in got}, tol).rows
                 getattr(finding, role).extend(rows)
                 if role == "outputs":
-                    for n in dict.fromkeys(r.tensor for r in rows if not r.ok):
-                        dim = partial_over(n, pieces[n], expected[n], layout, tol)
-                        if dim:
-                            finding.partial[n] = dim
+                    finding.partial = partial_sums(rows, pieces, expected, layout, tol)
         except AssemblyError as error:
             finding.note = str(error)
             found.uncompared.append(finding)

@@ -37,7 +37,7 @@ def diagnose(case: ModelCase, cfg: Config, pool, report, rerun: bool) -> Diagnos
         return Diagnosis(record={"model": record})
     with configured(case, cfg), any_world():
         params = [n for n, _ in start_model(case, cfg).named_parameters()]
-    lines, first, partial, found = [], None, {}, None
+    lines, first, found = [], None, None
     if rerun and pool.can_rerun:
         try:
             found = localise(cfg, pool, complete=True)
@@ -45,11 +45,10 @@ def diagnose(case: ModelCase, cfg: Config, pool, report, rerun: bool) -> Diagnos
             record["modules_error"] = f"{type(error).__name__}: {error}"
         else:
             record["modules"] = module_rows(found)
-            partial = found.partial_results
             first, line = where_it_starts(found, report, cfg.mesh)
             lines.append(line)
     backward = backward_order(params, found)
-    gradients = first_gradients(backward, report, cfg.mesh, partial)
+    gradients = first_gradients(backward, report, cfg.mesh, found.partial_results if found else None)
     return Diagnosis("\n".join(lines + ([gradients] if gradients else [])), {"model": record},
                      order=table_order(backward, first))
 
@@ -145,10 +144,9 @@ def where_it_starts(found, report, mesh=()) -> tuple[str | None, str]:
             continue
         received = ("is not compared" if not event.inputs else
                     "still matches" if all(r.ok for r in event.inputs) else "already differs")
-        partial = {d for n in own if (d := found.partial_results.get(grad_name(f"{module}.{n}")))}
-        if own and not passes_on and len(partial) == 1 and all(
-                grad_name(f"{module}.{n}") in found.partial_results for n in own):
-            dim = partial.pop()
+        dims = {found.partial_results.get(grad_name(f"{module}.{n}")) for n in own}
+        if own and not passes_on and len(dims) == 1 and None not in dims:
+            dim = dims.pop()
             return module, (f"first diverging module: {module} (parameter gradients, step 1), in the backward pass: "
                             f"the gradient it received {received}, its parameters' gradients ({', '.join(own)}) "
                             f"are per-rank partial sums over {dim} (summed they match the reference): their "

@@ -384,7 +384,8 @@ class Pool:
     def alone(self, fn: str, payload: Any, mesh: tuple[tuple[str, int], ...], *, seed: int = 0,
               deadline: float | None = None, label: str = "") -> Any:
         """``fn(ctx, payload)`` on ``mesh`` (every degree 1) in a world of one: on the rank of a pool
-        of one kept beside this one (started on first use, closed with it), whose world never
+        of one kept beside this one (started with it by ``start``/``launch(alone=True)``, else on
+        first use; closed with it), whose world never
         changes. Run on this pool's first rank instead, it would take this pool from the cells' world
         to one of one and back, and every mesh built for the cells would be built again after it (a
         rendezvous on every rank: the checkpoint cells ran twice as long so). A rank paid torch's
@@ -394,7 +395,7 @@ class Pool:
         if world_of(mesh) != 1:
             raise PoolError(f"a task alone runs on a mesh of one rank, not {mesh}")
         return self._beside().run(fn, payload, mesh, seed=seed, label=label,
-                               deadline=self.deadline if deadline is None else deadline)[0]
+                                  deadline=self.deadline if deadline is None else deadline)[0]
 
     def _beside(self) -> Pool:
         """The pool of one beside this one (:meth:`alone`), made on first use."""
