@@ -20,6 +20,7 @@ CKPT_LAYOUTS = ("fsdp1", "fsdp2", "fsdp3", "fsdp4", "fsdp8", "hsdp2x2", "hsdp2x4
 TP = Component(
     name="tp",
     reference="reference.tp:reference",
+    calibration="reference.tp:calibration",
     validate="harness.parallel.tp:validate",
     reduction="reference.tp:reduction_size",
     space=Space(dims=("dp", "tp"), sizes=dict(b=(1, 8), s=(2, 12), h=(4, 24), f=(4, 40), v=(4, 48)),
@@ -38,6 +39,7 @@ TP = Component(
 RINGATTN = Component(
     name="ringattn",
     reference="reference.ring_attention:reference",
+    calibration="reference.ring_attention:calibration",
     validate="harness.parallel.ring_attention:validate",
     reduction="reference.ring_attention:reduction_size",
     space=Space(dims=("dp", "cp", "tp"), sizes=dict(b=(1, 4), q=(2, 8), d=(2, 8), h=(4, 16), s=(8, 48))),
@@ -52,6 +54,7 @@ RINGATTN = Component(
 MOE = Component(
     name="moe",
     reference="reference.moe:reference",
+    calibration="reference.moe:calibration",
     validate="harness.parallel.moe:validate",
     reduction="reference.moe:reduction_size",
     space=Space(dims=("ep", "etp", "dp", "tp"), sizes=dict(t=(4, 32), e=(2, 16), k=(1, 4), h=(4, 12), f=(4, 24)),
@@ -70,6 +73,7 @@ MOE = Component(
 FSDP = Component(
     name="fsdp",
     reference="reference.fsdp:reference",
+    calibration="reference.fsdp:calibration",
     validate="harness.parallel.fsdp:validate",
     reduction="reference.fsdp:reduction_size",
     space=Space(dims=("rep", "shard", "dp", "tp"), sizes=dict(m=(1, 4), b=(4, 48), h=(4, 8), f=(4, 16), o=(4, 6))),
@@ -82,6 +86,7 @@ FSDP = Component(
 PP = Component(
     name="pp",
     reference="reference.pipeline:reference",
+    calibration="reference.pipeline:calibration",
     validate="harness.parallel.pipeline:validate",
     reduction="reference.pipeline:reduction_size",
     # l up to 8: deeper bf16 pipelines round past the bf16 tolerance (cases/test_pipeline.py, measured)
@@ -97,6 +102,7 @@ PP = Component(
 CKPT = Component(
     name="ckpt",
     reference="reference.checkpoint:reference",
+    calibration="reference.checkpoint:calibration",
     validate="harness.parallel.checkpoint:validate",
     reduction="reference.checkpoint:reduction_size",
     space=Space(dims=("w",), sizes=dict(b=(4, 24), h=(4, 8), f=(4, 12)), dtypes=("fp32",),

@@ -35,7 +35,7 @@ from harness.context import generator
 from harness.compare.tolerance import TORCH_DTYPE
 from harness.names import param_name, state_name
 
-from .common import adamw, probe_loss
+from .common import adamw, in_cell_dtype, probe_loss
 
 SIZES = dict(b=24, h=6, f=10)
 PARAMS = ("w1", "b1", "w2", "b2")
@@ -87,14 +87,14 @@ def state(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, pre
     return out
 
 
-def reference(cfg: Config) -> dict[str, torch.Tensor]:
-    """State after the saved step, and the resumed step with the state after it, in fp64."""
+def reference(cfg: Config, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """State after the saved step, and the resumed step with the state after it, in fp64 (in ``dtype``: the calibration)."""
     problem = make_problem(cfg)
-    params = {k: t.double().requires_grad_() for k, t in problem.params.items()}
+    params = {k: t.to(dtype).requires_grad_() for k, t in problem.params.items()}
     optimizer = adamw(list(params.values()))
     result = {}
     for i, (x, probe) in enumerate(problem.batches):
-        loss = probe_loss(forward(params, x.double()), probe.double(), x.shape[0])
+        loss = probe_loss(forward(params, x.to(dtype)), probe.to(dtype), x.shape[0])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -108,6 +108,9 @@ def reference(cfg: Config) -> dict[str, torch.Tensor]:
     events.record("checkpoint", {}, resumed, phase="resume")
     result["resumed/loss"] = loss.detach()
     return result
+
+
+calibration = in_cell_dtype(reference)
 
 
 def _renamed(result: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -5,8 +5,12 @@ its settings and the probe loss (the names results are reported under are harnes
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
+from harness.compare.tolerance import TORCH_DTYPE
+from harness.config import Config
 from harness.names import grad_name, param_name, state_name
 
 # One SGD step with momentum. lr is large enough that the update shows in bf16 parameters.
@@ -51,3 +55,11 @@ def record_step(params: dict[str, torch.Tensor], result: dict[str, torch.Tensor]
     result.update({param_name(k): t.detach() for k, t in params.items()})
     return result
 
+
+
+def in_cell_dtype(reference: Callable[..., dict[str, torch.Tensor]]) -> Callable[[Config], dict[str, torch.Tensor]]:
+    """A component's calibration: its ``reference(cfg, dtype)`` on one process in the cell's dtype
+    instead of fp64, the rounding right code makes (part 3 of :mod:`harness.compare.tolerance`)."""
+    def calibration(cfg: Config) -> dict[str, torch.Tensor]:
+        return reference(cfg, TORCH_DTYPE[cfg.dtype])
+    return calibration

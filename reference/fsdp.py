@@ -27,7 +27,7 @@ from harness.context import generator
 from harness.compare.tolerance import TORCH_DTYPE
 from harness.names import grad_name, param_name, state_name, step_name
 
-from .common import adamw, probe_loss
+from .common import adamw, in_cell_dtype, probe_loss
 
 # f=13 divides none of the dp degrees 2, 3, 4, 8 (uneven torch.chunk shards, 13 over 4 is 4/4/4/1);
 # o=5 is smaller than 8 (and 5 over 4 is 2/2/1/-), so some ranks hold an empty shard of W2 and b2.
@@ -76,15 +76,15 @@ def forward(p: dict[str, torch.Tensor], x: torch.Tensor, step: int = 0) -> torch
 
 
 
-def reference(cfg: Config) -> dict[str, torch.Tensor]:
-    """Three steps: per step the loss, gradient norm, gradients, parameters and AdamW moments."""
+def reference(cfg: Config, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """Three steps: per step the loss, gradient norm, gradients, parameters and AdamW moments, in fp64 (in ``dtype``: the calibration)."""
     problem = make_problem(cfg)
-    params = {k: t.double().requires_grad_() for k, t in problem.params.items()}
+    params = {k: t.to(dtype).requires_grad_() for k, t in problem.params.items()}
     optimizer = adamw(list(params.values()))
     result: dict[str, torch.Tensor] = {}
     for k in range(STEPS):
-        out = forward(params, problem.x[k].double(), k + 1)
-        loss = probe_loss(out, problem.probe[k].double(), cfg.size("b"))
+        out = forward(params, problem.x[k].to(dtype), k + 1)
+        loss = probe_loss(out, problem.probe[k].to(dtype), cfg.size("b"))
         loss.backward()
         grads = {name: p.grad.clone() for name, p in params.items()}
         norm = torch.nn.utils.clip_grad_norm_(list(params.values()), MAX_NORM, foreach=False)
@@ -99,6 +99,9 @@ def reference(cfg: Config) -> dict[str, torch.Tensor]:
             for key in ("exp_avg", "exp_avg_sq"):
                 result[step_name(s, state_name(key, name))] = optimizer.state[p][key].clone()
     return result
+
+
+calibration = in_cell_dtype(reference)
 
 
 def reduction_size(cfg: Config) -> dict[str, int]:

@@ -50,7 +50,7 @@ from harness.context import generator
 from harness.compare.tolerance import TORCH_DTYPE
 from harness.names import grad_name
 
-from .common import probe_loss, record_step
+from .common import in_cell_dtype, probe_loss, record_step
 
 SIZES = dict(t=24, h=8, f=16)  # tokens, model dim, expert FFN dim; e (experts) and k (top-k) are swept
 PARAMS = ("router", "w_gate", "w_up", "w_down")
@@ -157,13 +157,13 @@ def moe(cfg: Config, x: torch.Tensor, p: dict[str, torch.Tensor]) -> dict[str, t
     return {"out": out, "aux": aux, "route": route.to(x.dtype), "dropped": (~kept).to(x.dtype)}
 
 
-def reference(cfg: Config) -> dict[str, torch.Tensor]:
-    """Output, aux and total loss, input and parameter gradients, parameters after one SGD step."""
+def reference(cfg: Config, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """Output, aux and total loss, input and parameter gradients, parameters after one SGD step, in fp64 (in ``dtype``: the calibration)."""
     problem = make_problem(cfg)
-    params = {k: problem.params[k].double().requires_grad_() for k in PARAMS}
-    x = problem.x.double().requires_grad_()
+    params = {k: problem.params[k].to(dtype).requires_grad_() for k in PARAMS}
+    x = problem.x.to(dtype).requires_grad_()
     result = moe(cfg, x, params)
-    loss = probe_loss(result["out"], problem.probe.double(), problem.tokens)
+    loss = probe_loss(result["out"], problem.probe.to(dtype), problem.tokens)
     if has_aux(cfg):
         loss = loss + AUX_WEIGHT * result["aux"]
     else:
@@ -172,6 +172,9 @@ def reference(cfg: Config) -> dict[str, torch.Tensor]:
     result = {name: t.detach() for name, t in result.items()}
     result.update({"loss": loss.detach(), grad_name("x"): x.grad})
     return record_step(params, result)
+
+
+calibration = in_cell_dtype(reference)
 
 
 def reduction_size(cfg: Config) -> dict[str, int]:

@@ -28,7 +28,7 @@ from harness.context import generator
 from harness.compare.tolerance import TORCH_DTYPE
 from harness.names import grad_name, param_name
 
-from .common import adamw, record_adamw_state
+from .common import adamw, in_cell_dtype, record_adamw_state
 
 SIZES = dict(s=4, h=8, f=16, v=24)  # sequence, model dim, MLP dim, vocab; b, m, l, vs set per cell
 # Static loss scale: backward runs on loss * 2^-8 (a power of two: it moves exponents only, in every
@@ -106,12 +106,12 @@ def microbatches(cfg: Config, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(torch.cat([chunks[i] for chunks in per_rank]) for i in range(m))
 
 
-def reference(cfg: Config) -> dict[str, torch.Tensor]:
-    """Loss, every parameter's gradient, AdamW state and parameters after the step, in fp64."""
+def reference(cfg: Config, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """Loss, every parameter's gradient, AdamW state and parameters after the step, in fp64 (in ``dtype``: the calibration)."""
     problem, m = make_problem(cfg), cfg.size("m")
-    params = {k: t.double().requires_grad_() for k, t in problem.params.items()}
+    params = {k: t.to(dtype).requires_grad_() for k, t in problem.params.items()}
     head_key = "emb" if tied(cfg) else "head"
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.promote_types(dtype, torch.float32))  # a loss in at least fp32
     for i, (ids, labels) in enumerate(zip(microbatches(cfg, problem.ids), microbatches(cfg, problem.labels))):
         loss = model_loss(params, ids, labels, head_key, i) / m  # mean over the global batch
         (loss * GRAD_SCALE).backward()  # gradients accumulate over microbatches
@@ -123,6 +123,9 @@ def reference(cfg: Config) -> dict[str, torch.Tensor]:
     record_adamw_state(optimizer, params, result)
     result.update({param_name(k): t.detach() for k, t in params.items()})
     return result
+
+
+calibration = in_cell_dtype(reference)
 
 
 def reduction_size(cfg: Config) -> dict[str, int]:

@@ -22,7 +22,7 @@ from harness.layout import Shard, shard_indices
 from harness.compare.tolerance import TORCH_DTYPE
 from harness.names import grad_name
 
-from .common import probe_loss, record_step
+from .common import in_cell_dtype, probe_loss, record_step
 
 SIZES = dict(b=2, h=16, q=4, d=4)  # batch, model dim, query heads, head dim; s is swept
 PARAMS = ("wq", "wk", "wv", "wo")
@@ -105,11 +105,12 @@ def record_ring_steps(cfg: Config, q, k, v, causal: bool) -> None:
         before = after
 
 
-def reference(cfg: Config) -> dict[str, torch.Tensor]:
+def reference(cfg: Config, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """The reference results, in fp64 (in ``dtype``: the calibration)."""
     problem = make_problem(cfg)
     hq, hkv = cfg.size("q"), kv_heads(cfg)
-    params = {k: t.double().requires_grad_() for k, t in problem.params.items()}
-    x = problem.x.double().requires_grad_()
+    params = {k: t.to(dtype).requires_grad_() for k, t in problem.params.items()}
+    x = problem.x.to(dtype).requires_grad_()
     q, k, v = (split_heads(x @ params[w].T, n) for w, n in (("wq", hq), ("wk", hkv), ("wv", hkv)))
     for t in (q, k, v):
         t.retain_grad()
@@ -119,11 +120,14 @@ def reference(cfg: Config) -> dict[str, torch.Tensor]:
     attn, lse = attention(q, k, v, causal)
     events.op("attention", {"q": q, "k": k, "v": v}, {"attn": attn})
     out = merge_heads(attn) @ params["wo"].T
-    loss = probe_loss(out, problem.probe.double(), problem.tokens)
+    loss = probe_loss(out, problem.probe.to(dtype), problem.tokens)
     loss.backward()
     result = {"out": out.detach(), "loss": loss.detach(), "attn": attn.detach(), "lse": lse.detach(),
               grad_name("x"): x.grad, grad_name("q"): q.grad, grad_name("k"): k.grad, grad_name("v"): v.grad}
     return record_step(params, result)
+
+
+calibration = in_cell_dtype(reference)
 
 
 def reduction_size(cfg: Config) -> dict[str, int]:

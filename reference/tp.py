@@ -25,7 +25,7 @@ from harness.context import generator
 from harness.compare.tolerance import TORCH_DTYPE
 from harness.names import grad_name
 
-from .common import probe_loss, record_step
+from .common import in_cell_dtype, probe_loss, record_step
 
 OPS = ("colgather", "colshard", "rowsplit", "rowshard", "mlp", "sp", "embed", "xent", "gateup")
 SIZES = dict(b=4, s=8, h=16, f=32, v=40)
@@ -114,23 +114,26 @@ def forward(op: str, p: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]
     raise ValueError(f"unknown tp op {op!r}")
 
 
-def reference(cfg: Config) -> dict[str, torch.Tensor]:
-    """Output, loss, input and parameter gradients, and parameters after one SGD step, in fp64."""
+def reference(cfg: Config, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """Output, loss, input and parameter gradients, and parameters after one SGD step, in fp64 (in ``dtype``: the calibration)."""
     problem = make_problem(cfg)
     op = cfg.switch("op")
-    params = {k: t.double().requires_grad_() for k, t in problem.params.items()}
-    inputs = {k: t.double().requires_grad_() if t.is_floating_point() else t for k, t in problem.inputs.items()}
+    params = {k: t.to(dtype).requires_grad_() for k, t in problem.params.items()}
+    inputs = {k: t.to(dtype).requires_grad_() if t.is_floating_point() else t for k, t in problem.inputs.items()}
     out = forward(op, params, inputs)
     events.op("layer", {"x": inputs["x"]} if "x" in inputs else {}, {"out": out})
     if op == "xent":
         loss = F.cross_entropy(out.flatten(0, 1), inputs["labels"].flatten())
     else:
-        loss = probe_loss(out, problem.probe.double(), problem.tokens)
+        loss = probe_loss(out, problem.probe.to(dtype), problem.tokens)
     loss.backward()
     result = {"out": out.detach(), "loss": loss.detach()}
     if "x" in inputs:
         result[grad_name("x")] = inputs["x"].grad
     return record_step(params, result)
+
+
+calibration = in_cell_dtype(reference)
 
 
 def reduction_size(cfg: Config) -> dict[str, int]:

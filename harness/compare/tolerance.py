@@ -22,29 +22,32 @@ from three parts:
    every gradient, every parameter, one optimizer state of every parameter, every loss;
    :func:`family`) is zero to the cell's precision, and that scale is its ``scale``.
 
-3. **Rounding one process makes** (where the component computes it: every whole model,
-   :mod:`harness.model`). A model has no single ``n``, and AdamW divides each gradient by its own
-   running rms, so an element whose gradient cancels to a few roundings moves by a step as wrong as
-   that cancellation; over more steps training amplifies rounding further. After two steps a few
-   elements of embeddings and small weights of real models (tiny GLM-4, OLMo-2) lie 1 to 4 times
-   beyond (1) on one process in fp32, with no parallelism at all; after ten, hundreds of times.
-   So the same model is trained on one process in the cell's dtype, from the same start on the same
-   batches, and each tensor's ``growth`` is that run's worst error over (1) in it: how much this
-   training amplifies rounding there. The parallel run is another sample of the same rounding
-   (other summation orders and partitions of the same sums), amplified by the same training, so
-   its allowance is multiplied by ``1 + ROUNDING * growth``. Per tensor, not per element:
-   which elements rounding moves most differs between two samples (measured: up to 36 times one
-   run's element error plus its rms), how far it moves a tensor much less (up to 7 times); and
-   a tensor whose rounding is not amplified keeps the tolerance of (1).
+3. **Rounding one process makes** (every component with a ``calibration``: every built-in one and
+   every whole model). Some computations amplify rounding beyond (1) with no parallelism at all.
+   Layer norm's input gradient divides by a row's spread: over h=4 features in bf16 (tp's ``sp``
+   layer, found by exploration) one process lies 2.0 times beyond (1). A model has no single
+   ``n``, and AdamW divides each gradient by its own running rms, so an element whose gradient
+   cancels to a few roundings moves by a step as wrong as that cancellation; over more steps
+   training amplifies rounding further. After two steps a few elements of embeddings and small
+   weights of real models (tiny GLM-4, OLMo-2) lie 1 to 4 times beyond (1) on one process in fp32;
+   after ten, hundreds of times. So the same computation runs on one process in the cell's dtype,
+   from the same start on the same batches (a component's reference in that dtype, a model's
+   training on one process), and each tensor's ``growth`` is that run's worst error over (1) in it:
+   how much this computation amplifies rounding there. The parallel run is another sample of the
+   same rounding (other summation orders and partitions of the same sums), amplified by the same
+   computation, so its allowance is multiplied by ``1 + ROUNDING * growth``. Per tensor, not per
+   element: which elements rounding moves most differs between two samples (measured: up to 36
+   times one run's element error plus its rms), how far it moves a tensor much less (up to 7
+   times). A tensor whose rounding is not amplified has a ``growth`` of a few tenths: its
+   allowance is (1) times a few (fp64 cells have no calibration: ``growth`` 0).
 
 What a green certifies: every element of every result lies within these allowances of the fp64
 reference. It cannot tell a divergence smaller than that from rounding: one below ``rtol`` of a
-tensor's scale, or, for a model, below ``1 + ROUNDING * growth`` times that in a tensor whose
-rounding one process amplifies (a failure's header names the largest ``growth``); nor a
+tensor's scale times ``1 + ROUNDING * growth`` (a failure's header names the largest ``growth``); nor a
 tensor that is zero to the cell's precision from another such. A wrong parallel plan (a partial sum
 never reduced, a gradient scaled by a group size) moves whole tensors by O(1) of their scale: 1e4 to
 1e7 times these allowances in tests/. Both the reference and the one-process run are the case's own
-code on one process: what they share (a bug in the model itself) parity cannot see.
+code on one process: what they share (a bug in the model or the reference itself) parity cannot see.
 
 ``SAFETY`` and ``ROUNDING`` are set from measurement, not to make a cell pass: the worst
 error/tolerance ratio of the green matrix is printed at the end of every run (``worst err/tol``)

@@ -92,8 +92,8 @@ class FileChange:
 
 
 def _tolerances(stem: str):
-    """The tolerance policy of the cell a golden file belongs to (the cell's own: its reference and,
-    for a model, its one-process run are computed here), or None if it cannot be known."""
+    """The tolerance policy of the cell a golden file belongs to (the cell's own: its reference and
+    its one-process run are computed here), or None if it cannot be known."""
     from ..cell import tolerances_for
 
     try:
