@@ -19,3 +19,16 @@ def test_bisect_shrinks_a_model_cell_and_names_the_module(tmp_path, monkeypatch)
     assert result["minimal"] == "bugs-lossworld-dp2-fp32-plain-steps1-seed0", result
     assert "minimal: bugs-lossworld-dp2-fp32-plain-steps1-seed0" in done.stdout
     assert "first diverging event: bwd module microbatch=0 module=output step=1" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_crash_in_one_module_is_named_as_that_crash_not_as_a_divergence(tmp_path, monkeypatch):
+    """``wo`` sharded colwise: the matmul in layers.0.attention.wo raises on every rank."""
+    monkeypatch.setattr(bisect_tests, "CONFTEST", CONFTEST)
+    done = bisect_tests.bisect(tmp_path, "run", "bugs-wocol-tp2-fp32-plain-steps3-seed0")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "minimal: bugs-wocol-tp2-fp32-plain-steps1-seed0 fails with crash" in done.stdout, done.stdout
+    assert ("it crashes: ranks [0, 1] raised ModuleError: in module layers.0.attention.wo: RuntimeError: a and b "
+            "must have same reduction dim") in done.stdout, done.stdout
+    assert "events recorded before it match the reference" in done.stdout
+    assert "gradient reduction" not in done.stdout and "not recorded by the implementation" not in done.stdout

@@ -117,6 +117,12 @@ class Localisation:
                     "bisect'), so bisect cannot say where the divergence starts")
         unrecorded = (f"; {len(self.unrecorded)} reference events were not recorded by the implementation"
                       if self.unrecorded else "")
+        crash = ""
+        if self.errors:  # the events after a crash were never recorded: that is no divergence to count
+            ranks = sorted(self.errors)
+            crash = f"it crashes: ranks {ranks} raised {self.errors[ranks[0]]}"
+        if self.first_diverging is None and crash:
+            return f"{crash}\nthe {self.compared} events recorded before it match the reference"
         if self.first_diverging is None:
             if self.result_ok:
                 return f"all {self.compared} compared events match, and so does the result{unrecorded}"
@@ -130,6 +136,8 @@ class Localisation:
             after = f"after {self.last_matching}, the last event that matches, " if self.last_matching else ""
             lines.append(f"where it starts: {after}before {self.first_diverging.key}, whose inputs already differ: "
                          "in code between them that records no event")
+        if crash:
+            lines.append(f"then {crash}")
         return "\n".join(lines)
 
     def as_json(self) -> dict:
