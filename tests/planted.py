@@ -141,3 +141,12 @@ def ckpt_load_rotates_rows(ctx, cfg):
 
     with patched(checkpoint.Side, "load", load):
         return checkpoint.run(ctx, cfg)
+
+
+def tp_sp_replicated_grads_unreduced(ctx, cfg):
+    """Sequence parallel whose replicated weights (the layer norm's, the second bias: (h,) vectors
+    applied to each rank's sequence shard) skip copy_to_group: their gradients stay each tp rank's
+    partial sum, never all-reduced; the forward and every activation gradient are right."""
+    real = tp.copy_to_group
+    with patched(tp, "copy_to_group", lambda t, group: t if t.dim() == 1 else real(t, group)):
+        return tp.run(ctx, cfg)

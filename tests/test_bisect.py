@@ -24,6 +24,7 @@ register_implementation("moe", "offby1", "tests.planted:moe_expert_off_by_one")
 register_implementation("pp", "mb1x2", "tests.planted:pp_microbatch_loss_doubled")
 register_implementation("fsdp", "swapgather", "tests.planted:fsdp_gather_swaps_shards")
 register_implementation("ckpt", "rotload", "tests.planted:ckpt_load_rotates_rows")
+register_implementation("tp", "spunreduced", "tests.planted:tp_sp_replicated_grads_unreduced")
 '''
 
 
@@ -90,6 +91,21 @@ def test_a_scaling_bug_from_an_8_rank_cell_shrinks_to_tp2_within_budget(tmp_path
     assert "reproduce: " in done.stdout and "harness.bisect check " + found["minimal"] in done.stdout
     lines = (tmp_path / "project" / "bisect-out" / "trials.jsonl").read_text().splitlines()
     assert len(lines) == found["trials"] and json.loads(lines[0])["config"] == cell
+
+
+@pytest.mark.slow
+def test_replicated_weights_whose_gradients_are_never_all_reduced_are_named_as_partial_sums(tmp_path):
+    """Sequence parallel's layer norm weights and second bias skip their all-reduce: every event
+    matches, and the gradients are named as what they are, not as 'after the last recorded event'."""
+    done = bisect(tmp_path, "run", "tp-spunreduced-tp2-fp32-op_sp-b4.f32.h16.s8.v40-seed0")
+    assert done.returncode == 1, done.stdout + done.stderr
+    found = result(tmp_path)
+    assert Config.parse(found["minimal"]).dims == {"tp": 2}, found
+    place = found["localisation"]
+    assert place["first_diverging"] is None and place["partial_results"]["grad/b2"] == "tp", place
+    assert ("compared events match; grad/b2, grad/ln_b, grad/ln_w are per-rank partial sums over tp (summed "
+            "they match the reference): their all-reduce over tp is missing") in done.stdout, done.stdout
+    assert "after the last recorded event" not in done.stdout
 
 
 @pytest.mark.slow

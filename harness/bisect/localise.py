@@ -126,6 +126,8 @@ class Localisation:
         if self.first_diverging is None:
             if self.result_ok:
                 return f"all {self.compared} compared events match, and so does the result{unrecorded}"
+            if self.partial_results:
+                return f"all {self.compared} compared events match; {self._partial_text()}{unrecorded}"
             return (f"all {self.compared} compared events match: the divergence starts after the last recorded "
                     f"event (in the gradient reduction or the optimizer step){unrecorded}")
         lines = [f"first diverging event: {self.first_diverging.describe()}"]
@@ -140,6 +142,16 @@ class Localisation:
             lines.append(f"then {crash}")
         return "\n".join(lines)
 
+    def _partial_text(self) -> str:
+        """The results the ranks hold as partial sums, by the mesh dim they are summed over."""
+        by_dim: dict[str, list[str]] = defaultdict(list)
+        for name, dim in self.partial_results.items():
+            by_dim[dim].append(name)
+        by_dim = {dim: sorted(names) for dim, names in by_dim.items()}
+        return "; ".join(f"{', '.join(names)} {'are' if len(names) > 1 else 'is'} per-rank partial sums over {dim} "
+                         f"(summed they match the reference): {'their' if len(names) > 1 else 'its'} all-reduce "
+                         f"over {dim} is missing" for dim, names in by_dim.items())
+
     def as_json(self) -> dict:
         def one(f: Finding | None):
             if f is None:
@@ -153,7 +165,7 @@ class Localisation:
                 "compared": self.compared, "result_matches": self.result_ok,
                 "first_diverging": one(self.first_diverging), "last_matching": self.last_matching or None,
                 "origin": one(self.origin),
-                "unrecorded": self.unrecorded[:20], "errors": self.errors}
+                "unrecorded": self.unrecorded[:20], "errors": self.errors, "partial_results": self.partial_results}
 
 
 def partial_over(name: str, pieces: dict[int, Piece], expected, layout: MeshLayout, tol) -> str | None:
