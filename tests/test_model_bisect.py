@@ -1,5 +1,6 @@
 """harness.bisect on a model cell: it shrinks the mesh, the dtype and the steps of a planted bug in a
-user's parallelize function, and prints the first diverging module."""
+user's parallelize function, and prints the first diverging module in pytest's words; a crash is named
+as the crash it is."""
 import pytest
 
 import tests.test_bisect as bisect_tests
@@ -18,6 +19,10 @@ def test_bisect_shrinks_a_model_cell_and_names_the_module(tmp_path, monkeypatch)
     result = bisect_tests.result(tmp_path)
     assert result["minimal"] == "bugs-lossworld-dp2-fp32-plain-steps1-seed0", result
     assert "minimal: bugs-lossworld-dp2-fp32-plain-steps1-seed0" in done.stdout
+    # the line pytest prints under the cell's table (tests/test_model_bugs.py), from the same function
+    assert ("first diverging module: none, it starts in the loss (step 1): every judged forward output matches, the "
+            "gradient the loss hands back to output does not (the reference x 1/2 = 1/dp)") in done.stdout, done.stdout
+    assert result["localisation"]["diagnosis"].startswith("first diverging module: none, it starts in the loss")
     assert "first diverging event: bwd module microbatch=0 module=output step=1" in done.stdout
 
 

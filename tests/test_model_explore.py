@@ -51,6 +51,10 @@ def test_the_fixed_cells_pass_and_exploring_the_switches_finds_shrinks_and_print
     cell = "mlp-mine-tp2-fp32-act_silu.bias_off-steps1-seed0"
     assert f"mlp:mine: found {cell} fails with mismatch" in found.stdout, found.stdout[-3000:]
     assert "essential: tp=2, act=silu, bias=off" in found.stdout
+    # the first line pytest's diagnosis gives the same cell, then the events' answer
+    assert ("first diverging module: 2 (output, step 1, microbatch 0): its inputs still match the reference, it "
+            "returns per-rank partial sums over tp: summed they match the reference; the model uses them "
+            "unreduced") in found.stdout, found.stdout[-3000:]
     assert "where it starts: fwd module microbatch=0 module=2 step=1: its inputs match the reference" in found.stdout
     assert f'CELLS.append(Config.parse("{cell}"))' in found.stdout
     result = json.loads((tmp_path / "out" / "result.json").read_text())

@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 from ..config import Config, ConfigError
-from ..pool.parent import CaseFailure, Pool, PoolError, shared_pool
+from ..pool.parent import Pool, shared_pool
 from ..project import Project, load
 from . import __doc__ as DOC
-from .localise import localise
+from .localise import located
 from .runner import EXIT, Trials
 from .shrink import Budget, Search
 
@@ -156,7 +156,7 @@ def _bisect(args, original: Config | None, cells: list[Config], trials: Trials, 
               "original_signature": str(target), "kind": own.kind, "tensors": list(own.tensors), **roles,
               "trials": trials.count,
               "seconds": round(seconds, 2), "reproduce": _reproduce(minimal)}
-    place = _localise(minimal, trials) if trials.pool is not None else None
+    place = located(minimal, trials.pool) if trials.pool is not None else None
     if place is not None:
         result["localisation"] = place.as_json()
     _write_result(out, result)
@@ -168,16 +168,6 @@ def _bisect(args, original: Config | None, cells: list[Config], trials: Trials, 
         print(place.summary())
     print(f"reproduce: {result['reproduce']}")
     return EXIT["bad"]
-
-
-def _localise(cfg: Config, trials: Trials):
-    """The minimal config once more, with events recorded on both sides (not counted as a trial:
-    it answers where, not whether). A crash or hang in this run leaves the answer without a place."""
-    try:
-        return localise(cfg, trials.pool)
-    except (CaseFailure, PoolError) as error:
-        print(f"events of {cfg.id} could not be recorded: {str(error).splitlines()[0]}", file=sys.stderr)
-        return None
 
 
 def _write_result(out: Path, result: dict) -> None:

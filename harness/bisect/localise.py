@@ -11,6 +11,7 @@ tolerance policy. Two answers:
 """
 from __future__ import annotations
 
+import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -19,7 +20,7 @@ from ..cell import assemble_result, cell_deadline, parity, reference_for
 from ..compare.diff import Row, compare
 from ..config import Config
 from ..layout import AssemblyError, MeshLayout, Piece, assemble, summed_over
-from ..pool.parent import Pool
+from ..pool.parent import CaseFailure, Pool, PoolError
 from ..paths import load
 from ..registry import check_config, get, reference_of
 from ..compare.tolerance import tolerance
@@ -105,8 +106,16 @@ class Localisation:
     findings: list[Finding] = field(default_factory=list)
     # a result tensor (a gradient) -> the mesh dim over which the ranks hold partial sums of it
     partial_results: dict[str, str] = field(default_factory=dict)
+    # the comparison of this run's end result (None where it crashed or could not be assembled)
+    report: object = None
+    # the component's own diagnosis of the cell (Component.diagnose: what pytest prints under its
+    # table), first in the summary; set by located()
+    diagnosis: str = ""
 
     def summary(self) -> str:
+        return "\n".join(line for line in (self.diagnosis, self._events_summary()) if line)
+
+    def _events_summary(self) -> str:
         if self.implementation_events == 0 and self.errors:
             ranks = sorted(self.errors)
             first = self.errors[ranks[0]]
@@ -165,7 +174,8 @@ class Localisation:
                 "compared": self.compared, "result_matches": self.result_ok,
                 "first_diverging": one(self.first_diverging), "last_matching": self.last_matching or None,
                 "origin": one(self.origin),
-                "unrecorded": self.unrecorded[:20], "errors": self.errors, "partial_results": self.partial_results}
+                "unrecorded": self.unrecorded[:20], "errors": self.errors, "partial_results": self.partial_results,
+                "diagnosis": self.diagnosis}
 
 
 def partial_over(name: str, pieces: dict[int, Piece], expected, layout: MeshLayout, tol) -> str | None:
@@ -200,6 +210,22 @@ def partial_sums(rows: list[Row], pieces: dict[str, dict[int, Piece]], expected:
     return found
 
 
+def located(cfg: Config, pool: Pool) -> Localisation | None:
+    """Where a failing config's divergence starts, as bisect and exploration report it: its
+    localisation, led by the component's own diagnosis where it has one (a whole model's first
+    diverging module: the line pytest prints under the cell's table, from the same function). A crash
+    or hang while recording leaves none (said on stderr)."""
+    try:
+        found = localise(cfg, pool)
+    except (CaseFailure, PoolError) as error:
+        print(f"events of {cfg.id} could not be recorded: {str(error).splitlines()[0]}", file=sys.stderr)
+        return None
+    component = get(cfg.component)
+    if component.diagnose and found.report is not None and not found.report.ok:
+        found.diagnosis = component.diagnosis(cfg, pool, found.report, rerun=True).text
+    return found
+
+
 def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
     """Record the reference's and the implementation's events for ``cfg`` and find the divergence.
     ``complete``: compare every event (kept in ``findings``) instead of stopping where it starts."""
@@ -216,6 +242,7 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
                         deadline=cell_deadline(pool, component))
     layout = MeshLayout.of(cfg.mesh)
     partial_results: dict[str, str] = {}
+    report = None
     try:
         results = {r: got["result"] for r, got in per_rank.items()}
         result_ok = None not in results.values()
@@ -237,7 +264,7 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
     tol = tolerance(cfg.dtype, sizes if isinstance(sizes, int) else sizes["*"])
     found = Localisation(len(reference), len(parallel), result_ok=result_ok,
                          errors={r: got["error"] for r, got in per_rank.items() if got["error"]},
-                         partial_results=partial_results)
+                         partial_results=partial_results, report=report)
     for want in reference:
         ranks = parallel.get(want.key)
         if not ranks:

@@ -25,13 +25,13 @@ from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.errors import Unsatisfiable
 
-from ..bisect.localise import localise
+from ..bisect.localise import located
 from ..bisect.runner import Trial, Trials
 from ..bisect.shrink import Budget as SearchBudget
 from ..bisect.shrink import Search
 from ..bisect.signature import Signature
 from ..config import Config
-from ..pool.parent import CaseFailure, Pool, PoolError
+from ..pool.parent import Pool
 from .strategies import configs, within
 
 
@@ -238,18 +238,9 @@ def explore(component: str, impl: str, pool: Pool, budget: Budget, *, db_path: P
             result.minimal, result.budget = search.best, str(spent)
         result.essential = search.fields()["essential"]
         result.signature = seen[result.minimal].signature
-        result.localisation = _localise(result.minimal, pool)
+        result.localisation = located(result.minimal, pool)
     result.seconds = time.monotonic() - start
     return result
-
-
-def _localise(cfg: Config, pool: Pool):
-    """Bisect's localisation of the minimal config; a crash or hang while recording leaves none."""
-    try:
-        return localise(cfg, pool)
-    except (CaseFailure, PoolError) as error:
-        print(f"events of {cfg.id} could not be recorded: {str(error).splitlines()[0]}", file=sys.stderr)
-        return None
 
 
 def write_result(out: Path, results: list[Exploration]) -> None:
