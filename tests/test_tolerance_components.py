@@ -8,16 +8,13 @@ A user's project in tmp_path, run with ``python -m pytest`` in a subprocess (as 
 """
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 import textwrap
-import xml.etree.ElementTree as ET
 
 import pytest
 
 from harness.compare.tolerance import ROUNDING
-from tests.test_torchrun import env_for
+from tests.test_tolerance_models import parity_run
 
 CONFTEST = textwrap.dedent('''\
     from harness.registry import register_implementation
@@ -36,27 +33,14 @@ TEST = textwrap.dedent(f'''\
 
 
     @pytest.mark.parametrize("cfg", CELLS, ids=str)
-    def test_mine(cfg, parity):
+    def test_rounding(cfg, parity):
         parity(cfg)
     ''')
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
-    project = tmp_path_factory.mktemp("rounding") / "project"
-    project.mkdir()
-    (project / "conftest.py").write_text(CONFTEST)
-    (project / "test_mine.py").write_text(TEST)
-    (project / "pytest.ini").write_text("[pytest]\n")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                           "--pool-size", "3", "-rA", "--junitxml", "junit.xml"],
-                          cwd=project, env=env_for(project), capture_output=True, text=True, timeout=600)
-    cells = {}
-    for prop in ET.parse(project / "junit.xml").iter("property"):
-        if prop.get("name") == "parity":
-            record = json.loads(prop.get("value"))
-            cells[record["cell"]] = record
-    return done, cells
+    return parity_run(tmp_path_factory.mktemp("rounding") / "project", CONFTEST, TEST, "--pool-size", "3")
 
 
 @pytest.mark.parametrize("cell", RIGHT)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
@@ -42,26 +43,32 @@ RIGHT = [f"{model}-tp-tp{tp}-fp32-plain-steps3-seed0" for model in ("glm4", "olm
 BUG = "halfgrad-halfgrad-tp2-fp32-plain-steps3-seed0"
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
-    pytest.importorskip("transformers")
-    project = tmp_path_factory.mktemp("rounding") / "project"
+def parity_run(project: Path, conftest: str, test: str, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """``python -m pytest`` in a project of ``conftest`` and ``test_rounding.py`` (``test``), with
+    ``args``: the run and each cell's parity record (its junit property), by cell id."""
     project.mkdir()
-    (project / "conftest.py").write_text(CONFTEST)
-    (project / "test_rounding.py").write_text(TEST)
+    (project / "conftest.py").write_text(conftest)
+    (project / "test_rounding.py").write_text(test)
     (project / "pytest.ini").write_text("[pytest]\n")
     tmp = project.parent / "tmp"
     tmp.mkdir()
     env = dict(env_for(project), TMPDIR=str(tmp))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                           "--pool-size", "2", "--case-deadline", "120", "-rA", "--junitxml", "junit.xml"],
-                          cwd=project, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *args,
+                           "-rA", "--junitxml", "junit.xml"], cwd=project, env=env, capture_output=True, text=True,
+                          timeout=600)
     cells = {}
     for prop in ET.parse(project / "junit.xml").iter("property"):
         if prop.get("name") == "parity":
             record = json.loads(prop.get("value"))
             cells[record["cell"]] = record
     return done, cells
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+    pytest.importorskip("transformers")
+    return parity_run(tmp_path_factory.mktemp("rounding") / "project", CONFTEST, TEST,
+                      "--pool-size", "2", "--case-deadline", "120")
 
 
 @pytest.mark.parametrize("cell", RIGHT)
