@@ -189,11 +189,14 @@ def backward_order(params: list[str], found=None) -> list[str]:
 
 def table_order(backward: list[str], first: str | None) -> list[str]:
     """The parameters whose tensors a failing model cell's table lists first: the first diverging
-    module's, then every parameter in the order backward computes them (``backward``); the rest
-    (losses) follow."""
+    module's own, or its subtree's where it owns none (an attention block, an activation's parent),
+    then every parameter in the order backward computes them (``backward``); the rest (losses)
+    follow."""
     if first is None:
         return backward
-    return [p for p in backward if p.rpartition(".")[0] == first] + [p for p in backward if p.rpartition(".")[0] != first]
+    named = ([p for p in backward if p.rpartition(".")[0] == first]
+             or [p for p in backward if p.startswith(f"{first}.")])
+    return named + [p for p in backward if p not in named]
 
 
 def first_gradients(backward: list[str], report, mesh=(), partial: dict[str, str] | None = None,
