@@ -86,6 +86,10 @@ class Diagnosis:
     order: list[str] = field(default_factory=list)
 
 
+# a component's diagnosis when it declares none: where its events say the divergence starts
+EVENTS_DIAGNOSIS = "harness.bisect.localise:diagnosis"
+
+
 @dataclass
 class Component:
     name: str
@@ -103,7 +107,8 @@ class Component:
     # Sizes are halved and mesh degrees lowered while the component's rules accept the config.
     simplest: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # "module:function", (cfg, pool, report, rerun) -> Diagnosis: what a cell adds to its verdict;
-    # ``rerun`` says whether a failing cell may be run again to find where it diverges
+    # ``rerun`` says whether a failing cell may be run again to find where it diverges. None: where
+    # its recorded events say it starts (EVENTS_DIAGNOSIS, the lines bisect and exploration print)
     diagnose: str | None = None
     # For exploration: the space its configs are drawn from, or the "module:function" path that returns
     # it (a whole model's, from its case); None: it cannot be explored yet
@@ -143,10 +148,8 @@ class Component:
     def diagnosis(self, cfg: Config, pool, report, rerun: bool) -> Diagnosis:
         """What the component adds to the verdict of ``cfg`` (its ``diagnose``), never raising: the
         comparison itself is the verdict."""
-        if not self.diagnose:
-            return Diagnosis()
         try:
-            return load(self.diagnose)(cfg, pool, report, rerun)
+            return load(self.diagnose or EVENTS_DIAGNOSIS)(cfg, pool, report, rerun)
         except Exception as error:  # noqa: BLE001  a diagnosis that fails must not hide the failure
             return Diagnosis(f"(no diagnosis: {type(error).__name__}: {error})")
 

@@ -103,9 +103,19 @@ def test_replicated_weights_whose_gradients_are_never_all_reduced_are_named_as_p
     assert Config.parse(found["minimal"]).dims == {"tp": 2}, found
     place = found["localisation"]
     assert place["first_diverging"] is None and place["partial_results"]["grad/b2"] == "tp", place
-    assert ("compared events match; grad/b2, grad/ln_b, grad/ln_w are per-rank partial sums over tp (summed "
-            "they match the reference): their all-reduce over tp is missing") in done.stdout, done.stdout
+    line = ("compared events match; grad/b2, grad/ln_b, grad/ln_w are per-rank partial sums over tp (summed they "
+            "match the reference): their all-reduce over tp is missing")
+    assert line in done.stdout, done.stdout
     assert "after the last recorded event" not in done.stdout
+    # pytest says the same under the cell's table (the component declares no diagnosis of its own)
+    project = tmp_path / "project"
+    (project / "test_mine.py").write_text(
+        "import pytest\nfrom harness.config import Config\n\n\n"
+        "@pytest.mark.parametrize('cfg', [Config.parse('tp-spunreduced-tp2-fp32-op_sp-b4.f32.h16.s8.v40-seed0')], ids=str)\n"
+        "def test_mine(cfg, parity):\n    parity(cfg)\n")
+    ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_mine.py"], cwd=project,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 1 and line in ran.stdout, ran.stdout[-4000:]
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from ..config import Config
 from ..layout import AssemblyError, MeshLayout, Piece, assemble, summed_over
 from ..pool.parent import CaseFailure, Pool, PoolError
 from ..paths import load
-from ..registry import check_config, get, reference_of
+from ..registry import Diagnosis, check_config, get, reference_of
 from ..compare.tolerance import tolerance
 
 
@@ -224,6 +224,19 @@ def located(cfg: Config, pool: Pool) -> Localisation | None:
     if component.diagnose and found.report is not None and not found.report.ok:
         found.diagnosis = component.diagnosis(cfg, pool, found.report, rerun=True).text
     return found
+
+
+def diagnosis(cfg: Config, pool, report, rerun: bool) -> Diagnosis:
+    """The diagnosis of a failing cell of a component that declares none (``Component.diagnose``):
+    where its recorded events say the divergence starts, the lines bisect and exploration print for
+    it (:func:`located`), under the cell's table."""
+    if report.ok or not rerun or not getattr(pool, "can_rerun", False):
+        return Diagnosis()
+    found = located(cfg, pool)
+    if found is None:
+        return Diagnosis("where it starts: not known: its events could not be recorded (it crashed or hung "
+                         "while recording)")
+    return Diagnosis(found.summary())
 
 
 def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
