@@ -88,7 +88,8 @@ def state(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, pre
 
 
 def reference(cfg: Config, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
-    """State after the saved step, and the resumed step with the state after it, in fp64 (in ``dtype``: the calibration)."""
+    """State after the saved step, and the resumed step with the state after it, in fp64
+    (in ``dtype``: the calibration)."""
     problem = make_problem(cfg)
     params = {k: t.to(dtype).requires_grad_() for k, t in problem.params.items()}
     optimizer = adamw(list(params.values()))

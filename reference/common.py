@@ -56,7 +56,6 @@ def record_step(params: dict[str, torch.Tensor], result: dict[str, torch.Tensor]
     return result
 
 
-
 def in_cell_dtype(reference: Callable[..., dict[str, torch.Tensor]]) -> Callable[[Config], dict[str, torch.Tensor]]:
     """A component's calibration: its ``reference(cfg, dtype)`` on one process in the cell's dtype
     instead of fp64, the rounding right code makes (part 3 of :mod:`harness.compare.tolerance`)."""

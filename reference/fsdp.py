@@ -77,7 +77,8 @@ def forward(p: dict[str, torch.Tensor], x: torch.Tensor, step: int = 0) -> torch
 
 
 def reference(cfg: Config, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
-    """Three steps: per step the loss, gradient norm, gradients, parameters and AdamW moments, in fp64 (in ``dtype``: the calibration)."""
+    """Three steps: per step the loss, gradient norm, gradients, parameters and AdamW moments, in fp64
+    (in ``dtype``: the calibration)."""
     problem = make_problem(cfg)
     params = {k: t.to(dtype).requires_grad_() for k, t in problem.params.items()}
     optimizer = adamw(list(params.values()))

@@ -158,7 +158,8 @@ def moe(cfg: Config, x: torch.Tensor, p: dict[str, torch.Tensor]) -> dict[str, t
 
 
 def reference(cfg: Config, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
-    """Output, aux and total loss, input and parameter gradients, parameters after one SGD step, in fp64 (in ``dtype``: the calibration)."""
+    """Output, aux and total loss, input and parameter gradients, parameters after one SGD step, in fp64
+    (in ``dtype``: the calibration)."""
     problem = make_problem(cfg)
     params = {k: problem.params[k].to(dtype).requires_grad_() for k in PARAMS}
     x = problem.x.to(dtype).requires_grad_()

@@ -107,7 +107,8 @@ def microbatches(cfg: Config, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def reference(cfg: Config, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
-    """Loss, every parameter's gradient, AdamW state and parameters after the step, in fp64 (in ``dtype``: the calibration)."""
+    """Loss, every parameter's gradient, AdamW state and parameters after the step, in fp64
+    (in ``dtype``: the calibration)."""
     problem, m = make_problem(cfg), cfg.size("m")
     params = {k: t.to(dtype).requires_grad_() for k, t in problem.params.items()}
     head_key = "emb" if tied(cfg) else "head"

@@ -115,7 +115,8 @@ def forward(op: str, p: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]
 
 
 def reference(cfg: Config, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
-    """Output, loss, input and parameter gradients, and parameters after one SGD step, in fp64 (in ``dtype``: the calibration)."""
+    """Output, loss, input and parameter gradients, and parameters after one SGD step, in fp64
+    (in ``dtype``: the calibration)."""
     problem = make_problem(cfg)
     op = cfg.switch("op")
     params = {k: t.to(dtype).requires_grad_() for k, t in problem.params.items()}

@@ -116,20 +116,18 @@ class Localisation:
         return "\n".join(line for line in (self.diagnosis, self._events_summary()) if line)
 
     def _events_summary(self) -> str:
-        if self.implementation_events == 0 and self.errors:
-            ranks = sorted(self.errors)
-            first = self.errors[ranks[0]]
-            return (f"no events: the run raised before it recorded any, on ranks {ranks}: {first}; "
+        ranks = sorted(self.errors)  # the ranks that raised while recording, and the first one's error
+        raised = self.errors[ranks[0]] if ranks else ""
+        if self.implementation_events == 0 and ranks:
+            return (f"no events: the run raised before it recorded any, on ranks {ranks}: {raised}; "
                     "so bisect cannot say where the divergence starts, only that it crashes there")
         if self.implementation_events == 0:
             return ("no events: this implementation records none (docs/bisect-and-explore.md, 'Events for "
                     "bisect'), so bisect cannot say where the divergence starts")
         unrecorded = (f"; {len(self.unrecorded)} reference events were not recorded by the implementation"
                       if self.unrecorded else "")
-        crash = ""
-        if self.errors:  # the events after a crash were never recorded: that is no divergence to count
-            ranks = sorted(self.errors)
-            crash = f"it crashes: ranks {ranks} raised {self.errors[ranks[0]]}"
+        # the events after a crash were never recorded: that is no divergence to count
+        crash = f"it crashes: ranks {ranks} raised {raised}" if ranks else ""
         if self.first_diverging is None and crash:
             return f"{crash}\nthe {self.compared} events recorded before it match the reference"
         if self.first_diverging is None:
