@@ -14,6 +14,7 @@ from .golden.store import GoldenError, MissingGolden, golden_path, metadata, rea
 from .layout import AssemblyError, MeshLayout, assemble
 from .names import NOT_JUDGED, parse
 from .registry import Component, Diagnosis, check_config, get
+from .screen import TABLE_ROWS, WIDTH, first_line, fitted
 
 
 class Divergence(AssertionError):
@@ -53,9 +54,6 @@ class CellOutcome:
     record: dict = field(default_factory=dict)  # the component's extras for the cell's junit record
     result: dict[str, torch.Tensor] = field(default_factory=dict)
 
-
-# rows of a failure's table shown with it (one screen); the whole table is in the cell's junit record
-TABLE_ROWS = 12
 
 _references: dict[tuple, dict[str, torch.Tensor]] = {}
 
@@ -170,10 +168,11 @@ def run_cell(cfg: Config, pool, *, golden_dir: Path | None = None, update_golden
     if not outcome.parity.ok:
         first = _first(diagnosis.order)
         whole = outcome.parity.table(first=first)
-        shown = outcome.parity.table(first=first, most=TABLE_ROWS)
-        raise Divergence(f"{cfg.id} diverges from the reference ({outcome.tol}):\n{shown}\n"
-                         + (f"{diagnosis.text}\n" if diagnosis.text else "") + reproduce, outcome.parity,
-                         record=diagnosis.record | ({"table": whole} if whole != shown else {}))
+        shown = outcome.parity.table(first=first, most=TABLE_ROWS, width=WIDTH)
+        raise Divergence(fitted(f"{cfg.id} diverges from the reference ({outcome.tol}):\n{shown}\n"
+                                + (f"{diagnosis.text}\n" if diagnosis.text else "") + reproduce), outcome.parity,
+                         record=diagnosis.record | {"where": first_line(diagnosis.text)}
+                         | ({"table": whole} if whole != shown else {}))
     if golden_dir is not None:
         try:
             check_golden(outcome, Path(golden_dir), update=update_golden, missing=missing_golden,

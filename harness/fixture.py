@@ -30,7 +30,13 @@ def cell_record(cfg: Config) -> dict:
     return {"cell": cfg.id, "component": cfg.component, "impl": cfg.impl,
             "mesh": ".".join(f"{k}{v}" for k, v in cfg.mesh), "dtype": cfg.dtype, "switches": dict(cfg.switches),
             "status": "failed", "kind": "", "ratio": 0.0, "tensor": "", "norm_ratio": 1.0, "golden": "",
-            "moved": "", "seconds": 0.0}
+            "moved": "", "seconds": 0.0, "where": ""}
+
+
+def record_of(report) -> dict | None:
+    """The cell's record a test's report carries (its call phase), or None."""
+    prop = dict(report.user_properties).get(PROPERTY)
+    return json.loads(prop) if prop is not None and report.when == "call" else None
 
 
 def worst(report) -> dict:

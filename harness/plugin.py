@@ -15,12 +15,14 @@ import pytest
 from . import selection
 from .options import add_options, check_options, keep_seconds, usage
 from .pool.parent import shared_pool
+from .screen import Alike
 from .summary import Summary
 from .torchrun.plugin import TorchrunPlugin, launched_by_torchrun, runner_of
 
 TORCHRUN_PLUGIN = "paritytest-torchrun"
 _KEEP = pytest.StashKey[float]()  # the kept pool's idle seconds (0: none), read once at configure
 _summary = Summary()
+_alike: Alike | None = None  # where the failures are printed: this process, unless an xdist worker
 _timeline = None  # harness.report.workers.Timeline, made at the session's start
 
 
@@ -51,7 +53,9 @@ def pytest_load_initial_conftests(early_config, parser, args):
 def pytest_configure(config):
     """Reject bad option values and unresolvable implementations before anything runs: one line each.
     Under torchrun, join the job (its plugin's configure, before junitxml's)."""
+    global _alike
     check_options(config)
+    _alike = None if hasattr(config, "workerinput") else Alike()
     if config.getoption("--stop-pool"):
         from .pool.kept import stop
 
@@ -180,10 +184,21 @@ def parity(request, rank_pool):
     return CellCheck(request, rank_pool, runner_of(request.config))
 
 
+@pytest.hookimpl(trylast=True)  # after junitxml has kept the whole failure
 def pytest_runtest_logreport(report):
     _summary.add(report)
     if _timeline is not None:
         _timeline.add(report)
+    if _alike is not None:
+        from .fixture import record_of
+
+        _alike.add(report, record_of(report))
+
+
+def pytest_sessionfinish(session):
+    """Before the terminal prints the failures: each way of failing names its other cells."""
+    if _alike is not None:
+        _alike.close()
 
 
 def pytest_terminal_summary(terminalreporter):

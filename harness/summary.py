@@ -2,10 +2,9 @@
 files written or moved, the slowest cells and how busy each xdist worker was."""
 from __future__ import annotations
 
-import json
 from collections import Counter, defaultdict
 
-from .fixture import PROPERTY
+from .fixture import record_of
 
 
 class Summary:
@@ -26,10 +25,9 @@ class Summary:
 
     def add(self, report) -> None:
         """One test's report (its call phase, when it carries a cell's record)."""
-        prop = dict(report.user_properties).get(PROPERTY)
-        if prop is None or report.when != "call":
+        record = record_of(report)
+        if record is None:
             return
-        record = json.loads(prop)
         row = self.rows[record["component"]]
         xfailed = report.skipped and hasattr(report, "wasxfail")  # a known divergence, as declared
         status = "failed" if report.failed else "xfailed" if xfailed else "skipped" if report.skipped \

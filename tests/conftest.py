@@ -36,6 +36,20 @@ def failure_of(cell, pool) -> str:
     return message
 
 
+def flat(text: str) -> str:
+    """``text`` with every run of white space one space: prose that a failure wrapped to its width
+    (``harness.screen.fitted``) reads as one line again."""
+    return " ".join(text.split())
+
+
+def line_of(text: str, start: str) -> str:
+    """The line of ``text`` that starts with ``start``, whole: with the lines a failure wrapped it
+    into (``harness.screen.fitted``) joined again."""
+    from harness.screen import first_line
+
+    return first_line(text[text.index(start):])
+
+
 def run_python(code: str, **kwargs):
     """Start ``python -c code`` with the repository importable."""
     import subprocess

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.checkout import copy_checkout
+from tests.conftest import flat
 
 from harness.bisect.shrink import Search
 from harness.bisect.signature import Signature, whole_factor
@@ -87,7 +88,9 @@ def test_a_scaling_bug_from_an_8_rank_cell_shrinks_to_tp2_within_budget(tmp_path
     # every event matches: the gradients go wrong in the step after the last one (where the bug is)
     place = found["localisation"]
     assert place["first_diverging"] is None and place["result_matches"] is False and place["compared"] > 0
-    assert "the divergence starts after the last recorded event" in done.stdout
+    assert ("grad/b1, grad/b2, grad/w1, grad/w2 are the reference x 1/2 = 1/tp: scaled by a group's size"
+            in flat(done.stdout)), done.stdout
+    assert place["scaled_results"] == {f"grad/{p}": "x 1/2 = 1/tp" for p in ("b1", "b2", "w1", "w2")}, place
     assert "reproduce: " in done.stdout and "harness.bisect check " + found["minimal"] in done.stdout
     lines = (tmp_path / "project" / "bisect-out" / "trials.jsonl").read_text().splitlines()
     assert len(lines) == found["trials"] and json.loads(lines[0])["config"] == cell
@@ -105,7 +108,7 @@ def test_replicated_weights_whose_gradients_are_never_all_reduced_are_named_as_p
     assert place["first_diverging"] is None and place["partial_results"]["grad/b2"] == "tp", place
     line = ("compared events match; grad/b2, grad/ln_b, grad/ln_w are per-rank partial sums over tp (summed they "
             "match the reference): their all-reduce over tp is missing")
-    assert line in done.stdout, done.stdout
+    assert line in flat(done.stdout), done.stdout
     assert "after the last recorded event" not in done.stdout
     # pytest says the same under the cell's table (the component declares no diagnosis of its own)
     project = tmp_path / "project"
@@ -115,7 +118,7 @@ def test_replicated_weights_whose_gradients_are_never_all_reduced_are_named_as_p
         "def test_mine(cfg, parity):\n    parity(cfg)\n")
     ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_mine.py"], cwd=project,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=600)
-    assert ran.returncode == 1 and line in ran.stdout, ran.stdout[-4000:]
+    assert ran.returncode == 1 and line in flat(ran.stdout), ran.stdout[-4000:]
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ as the crash it is."""
 import pytest
 
 import tests.test_bisect as bisect_tests
+from tests.conftest import flat
 
 CONFTEST = '''
 from harness.model import register_model
@@ -21,9 +22,9 @@ def test_bisect_shrinks_a_model_cell_and_names_the_module(tmp_path, monkeypatch)
     assert "minimal: bugs-lossworld-dp2-fp32-plain-steps1-seed0" in done.stdout
     # the line pytest prints under the cell's table (tests/test_model_bugs.py), from the same function
     assert ("first diverging module: none, it starts in the loss (step 1): every judged forward output matches, the "
-            "gradient the loss hands back to output does not (the reference x 1/2 = 1/dp)") in done.stdout, done.stdout
+            "gradient the loss hands back to output does not (the reference x 1/2 = 1/dp)") in flat(done.stdout), done.stdout
     assert result["localisation"]["diagnosis"].startswith("first diverging module: none, it starts in the loss")
-    assert "first diverging event: bwd module microbatch=0 module=output step=1" in done.stdout
+    assert "first diverging event: bwd module microbatch=0 module=output step=1" in flat(done.stdout)
 
 
 @pytest.mark.slow
@@ -34,6 +35,6 @@ def test_a_crash_in_one_module_is_named_as_that_crash_not_as_a_divergence(tmp_pa
     assert done.returncode == 1, done.stdout + done.stderr
     assert "minimal: bugs-wocol-tp2-fp32-plain-steps1-seed0 fails with crash" in done.stdout, done.stdout
     assert ("it crashes: ranks [0, 1] raised ModuleError: in module layers.0.attention.wo: RuntimeError: a and b "
-            "must have same reduction dim") in done.stdout, done.stdout
+            "must have same reduction dim") in flat(done.stdout), done.stdout
     assert "events recorded before it match the reference" in done.stdout
     assert "gradient reduction" not in done.stdout and "not recorded by the implementation" not in done.stdout

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 
+from tests.conftest import flat
 from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
 
 CASE = 'import torch\nimport torch.nn.functional as F\nfrom torch import nn\nfrom torch.distributed.fsdp import fully_shard\nfrom torch.distributed.tensor import Partial\nfrom torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module\n\nfrom harness.model import ModelCase, switches\n\n\ndef build():\n    bias = switches()["bias"] == "on"\n    act = nn.SiLU() if switches()["act"] == "silu" else nn.GELU()\n    return nn.Sequential(nn.Linear(16, 32, bias=bias), act, nn.Linear(32, 16, bias=bias))\n\n\ndef batch(step):\n    g = torch.Generator().manual_seed(step)\n    return {"input": torch.randn(8, 16, generator=g), "target": torch.randn(8, 16, generator=g)}\n\n\ndef parallelize(model, meshes):\n    if meshes.spec.tp > 1:\n        # the team\'s fast path for bias-free SiLU blocks leaves fc2\'s output as partial sums\n        fast = switches()["act"] == "silu" and switches()["bias"] == "off"\n        row = RowwiseParallel(output_layouts=Partial()) if fast else RowwiseParallel()\n        parallelize_module(model, meshes.dense["tp"], {"0": ColwiseParallel(), "2": row})\n    if meshes.spec.dp > 1:\n        fully_shard(model, mesh=meshes.dense["dp"])\n    return model\n\n\ndef tp_and_dp(spec):\n    if spec.pp > 1 or spec.cp > 1 or spec.rep > 1:\n        return "tp and dp only"\n    return None if 16 % spec.tp == 0 else f"tp={spec.tp} does not divide the 16 features"\n\n\nCASE = ModelCase(build=build, batch=batch, loss=lambda out, b: F.mse_loss(out, b["target"]),\n                 parallelize={"mine": parallelize}, supports={"mine": tp_and_dp},\n                 switches={"act": ("gelu", "silu"), "bias": ("on", "off")})\n'
@@ -54,8 +55,8 @@ def test_the_fixed_cells_pass_and_exploring_the_switches_finds_shrinks_and_print
     # the first line pytest's diagnosis gives the same cell, then the events' answer
     assert ("first diverging module: 2 (output, step 1, microbatch 0): its inputs still match the reference, it "
             "returns per-rank partial sums over tp: summed they match the reference; the model uses them "
-            "unreduced") in found.stdout, found.stdout[-3000:]
-    assert "where it starts: fwd module microbatch=0 module=2 step=1: its inputs match the reference" in found.stdout
+            "unreduced") in flat(found.stdout), found.stdout[-3000:]
+    assert "where it starts: fwd module microbatch=0 module=2 step=1: its inputs match the reference" in flat(found.stdout)
     assert f'CELLS.append(Config.parse("{cell}"))' in found.stdout
     result = json.loads((tmp_path / "out" / "result.json").read_text())
     assert result[0]["minimal"] == cell

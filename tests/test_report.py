@@ -119,7 +119,7 @@ def test_the_divergence_table_reads_back_column_by_column_empty_cells_included()
     report = Report([Row("loss", False, "mismatch", (), actual=-0.066, expected=0.36, abs_err=0.43, rel_err=1.18,
                          tol=2.5e-5, ratio=1.7e4, norm_ratio=0.1839, bad="1/1", ranks="0,1"),
                      Row("out", False, "replicas", abs_err=2.8, tol=4.4e-6, ratio=6.3e5,
-                         bad="ranks 0 and 1 hold different copies", ranks="0,1"),
+                         bad="copies differ", ranks="0,1"),
                      Row("grad.w", False, "nan/inf", (2, 5, 13), actual=math.nan, expected=0.25, abs_err=math.inf,
                          rel_err=math.inf, tol=6e-6, ratio=math.inf, norm_ratio=0.7699, bad="512/512",
                          ranks="0,1,2,3")])
@@ -127,4 +127,30 @@ def test_the_divergence_table_reads_back_column_by_column_empty_cells_included()
     assert [(r["tensor"], r["problem"], r["worst index"], r["norm ratio"], r["bad ranks"]) for r in rows] == [
         ("loss", "mismatch", "", "0.1839", "0,1"), ("out", "replicas", "", "1", "0,1"),
         ("grad.w", "nan/inf", "(2,5,13)", "0.7699", "0,1,2,3")]
-    assert rows[1]["bad"] == "ranks 0 and 1 hold different copies" and rows[0]["err/tol"] == "1.7e+04"
+    assert rows[1]["bad"] == "copies differ" and rows[0]["err/tol"] == "1.7e+04"
+
+
+def test_a_narrow_table_on_screen_and_the_whole_one_in_the_report():
+    from harness.compare import diff
+    from harness.report import markdown
+    from harness.report.junit import TestCase
+    from harness.report.markdown import _failure_text
+
+    assert (markdown.TABLE_COLUMNS, markdown.WHOLE_TABLE) == (diff.COLUMNS, diff.WHOLE_TABLE)
+    names = [f"opt/exp_avg_sq/model.layers.{i}.self_attn.q_norm.weight" for i in range(5)]
+    report = Report([Row(name, False, "mismatch", (i, 3), actual=1.5, expected=0.25, abs_err=1.25, rel_err=5.0,
+                         tol=1e-6, ratio=1.25e6, norm_ratio=0.5, bad="32/32", ranks="0,1")
+                     for i, name in enumerate(names)])
+    whole = report.table()
+    assert max(map(len, whole.splitlines())) > 100
+    for width in (110, 96):
+        shown = report.table(most=3, width=width)
+        lines = shown.splitlines()
+        assert max(map(len, lines[:-1])) <= width, shown
+        assert lines[-1].startswith("... 2 more rows, rel err, abs err, tol"), shown
+        assert lines[-1].endswith(": in its junit record (python -m harness.report)") and len(lines[-1]) <= 120
+        case = TestCase("c", "n", "failed", 1.0, text=f"cell diverges:\n{shown}\nreproduce: x", record={"table": whole})
+        rows = table_rows(_failure_text(case))
+        assert [r["tensor"] for r in rows] == names and rows[4]["worst index"] == "(4,3)"
+    # names shortened last, from the start of the parameter's path: what tells them apart stays
+    assert report.table(width=110).splitlines()[1].startswith("opt/exp_avg_sq/...rs.0.self_attn.q_norm.weight ")

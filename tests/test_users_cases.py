@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import flat, line_of
 from tests.test_torchrun import env_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,15 +118,15 @@ def test_a_tp_plan_leaving_a_rowwise_partial_sum_is_red_and_names_down_proj(run)
     text = failure(run, "partial")
     assert ("first diverging module: model.layers.0.mlp.down_proj (output, step 1, microbatch 0): its inputs still "
             "match the reference, it returns per-rank partial sums over tp: summed they match the reference; "
-            "model.layers.0.mlp uses them unreduced") in text, text[-6000:]
+            "model.layers.0.mlp uses them unreduced") in flat(text), text[-6000:]
 
 
 def test_a_loss_over_the_world_says_it_starts_in_the_loss_and_lists_gradients_in_backward_order(run):
     assert outcome(run, "lossworld") == "FAILED"
     text = failure(run, "lossworld")
     assert ("first diverging module: none, it starts in the loss (step 1): every judged forward output matches, "
-            "the gradient the loss hands back to lm_head does not (the reference x 1/2 = 1/tp)") in text, text[-6000:]
-    line = next(li for li in text.splitlines() if li.startswith("first diverging parameter gradients"))
+            "the gradient the loss hands back to lm_head does not (the reference x 1/2 = 1/tp)") in flat(text), text[-6000:]
+    line = line_of(text, "first diverging parameter gradients")
     names = re.findall(r"(?:: |; )([\w.]+) \(module", line)
     assert names == ["lm_head.weight", "model.norm.weight", "model.layers.1.mlp.down_proj.weight"], line
 
@@ -133,8 +134,8 @@ def test_a_loss_over_the_world_says_it_starts_in_the_loss_and_lists_gradients_in
 def test_accelerate_with_dp_shard_built_from_the_whole_world_is_red_and_names_the_mesh(run):
     assert outcome(run, "worldshard") == "FAILED"
     text = failure(run, "worldshard")
-    assert ("raised: the cell's code built a device mesh (at parallelism_config.py:" in text
-            and "in build_device_mesh) larger than its world of 4 ranks" in text), text[-6000:]
+    assert ("raised: the cell's code built a device mesh (at parallelism_config.py:" in flat(text)
+            and "in build_device_mesh) larger than its world of 4 ranks" in flat(text)), text[-6000:]
 
 
 def test_a_kernel_with_no_fp64_is_one_line_naming_the_op_the_module_and_the_fix(run):

@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 
+from tests.conftest import flat, line_of
 from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
 
 CONFTEST = textwrap.dedent('''\
@@ -47,17 +48,20 @@ def test_each_bug_is_named_where_it_starts(tmp_path):
     assert done.returncode == 1 and "3 failed, 1 passed" in done.stdout, done.stdout[-5000:] + done.stderr[-2000:]
     moe, pipe, partial = (done.stdout.split(f"test_bug[{cell}")[1]
                           for cell in ("moebug-noexpsum", "pipebug-stagereinit", "pipebug-wopartial"))
+    moe_text, pipe_text, partial_text = flat(moe), flat(pipe), flat(partial)
     # a block's wo left as partial sums over tp: named at wo, not at the attention that uses it
     assert ("first diverging module: layers.1.attention.wo (output, step 1, microbatch 0): its inputs still match "
             "the reference, it returns per-rank partial sums over tp: summed they match the reference; "
-            "layers.1.attention uses them unreduced") in partial, partial[:4000]
+            "layers.1.attention uses them unreduced") in partial_text, partial[:4000]
     assert ("first diverging module: model.layers.1.mlp.experts (parameter gradients, step 1), in the backward "
-            "pass: every judged forward output matches") in moe, moe[:4000]
-    assert ".mlp.gate" not in moe.split("first diverging module:")[1].splitlines()[0]
+            "pass: every judged forward output matches") in moe_text, moe[:4000]
+    assert ".mlp.gate" not in line_of(moe, "first diverging module:")
     assert ("first diverging module: layers.1.attention.wq (output, step 1, microbatch 0): its inputs still match "
-            "the reference, its outputs do not") in pipe, pipe[:4000]
+            "the reference, its outputs do not") in pipe_text, pipe[:4000]
     # one screen: the table starts at the first diverging module's tensors and shows at most 12 rows
     lines = pipe.splitlines()
     header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("tensor "))
     assert "layers.1.attention.wq.weight" in lines[header + 1], lines[header:header + 3]
-    assert lines[header + 13].startswith("... and ") and "more rows" in lines[header + 13], lines[header + 12:header + 14]
+    assert lines[header + 13].startswith("... ") and "more rows" in lines[header + 13], lines[header + 12:header + 14]
+    # and 120 columns: every line of the failure but the command that reruns it
+    assert all(len(line) <= 120 for line in lines[:lines.index(next(li for li in lines if li.startswith("reproduce:")))])

@@ -11,6 +11,7 @@ from pathlib import Path
 from ..config import Config, ConfigError
 from ..pool.parent import Pool, shared_pool
 from ..project import Project, load
+from ..screen import fitted
 from . import __doc__ as DOC
 from .localise import located
 from .runner import EXIT, Trials
@@ -162,8 +163,8 @@ def _bisect(args, original: Config | None, cells: list[Config], trials: Trials, 
     _write_result(out, result)
     essential = ", ".join(roles["essential"]) or "none beyond the component itself"
     original_line = "" if minimal == original else f" (the original {original.id}: {target})"
-    print(f"\nminimal: {minimal.id} fails with {own}{original_line}; essential: {essential}; "
-          f"{trials.count} trials, {seconds:.1f} s")
+    print("\n" + fitted(f"minimal: {minimal.id} fails with {own}{original_line}; essential: {essential}; "
+                        f"{trials.count} trials, {seconds:.1f} s"))
     if place is not None:
         print(place.summary())
     print(f"reproduce: {result['reproduce']}")

@@ -21,8 +21,11 @@ from ..compare.diff import Row, compare
 from ..config import Config
 from ..layout import AssemblyError, MeshLayout, Piece, assemble, summed_over
 from ..pool.parent import CaseFailure, Pool, PoolError
+from ..names import parse
 from ..paths import load
 from ..registry import Diagnosis, check_config, get, reference_of
+from ..screen import fitted
+from .signature import factor_text
 from ..compare.tolerance import tolerance
 
 
@@ -106,6 +109,8 @@ class Localisation:
     findings: list[Finding] = field(default_factory=list)
     # a result tensor (a gradient) -> the mesh dim over which the ranks hold partial sums of it
     partial_results: dict[str, str] = field(default_factory=dict)
+    # results that are the reference times a group's size (name -> "x 1/2 = 1/tp")
+    scaled_results: dict[str, str] = field(default_factory=dict)
     # the comparison of this run's end result (None where it crashed or could not be assembled)
     report: object = None
     # the component's own diagnosis of the cell (Component.diagnose: what pytest prints under its
@@ -113,7 +118,8 @@ class Localisation:
     diagnosis: str = ""
 
     def summary(self) -> str:
-        return "\n".join(line for line in (self.diagnosis, self._events_summary()) if line)
+        """The lines a failing cell prints under its table (:func:`harness.cell.fitted` to the screen)."""
+        return fitted("\n".join(line for line in (self.diagnosis, self._events_summary()) if line))
 
     def _events_summary(self) -> str:
         ranks = sorted(self.errors)  # the ranks that raised while recording, and the first one's error
@@ -133,8 +139,8 @@ class Localisation:
         if self.first_diverging is None:
             if self.result_ok:
                 return f"all {self.compared} compared events match, and so does the result{unrecorded}"
-            if self.partial_results:
-                return f"all {self.compared} compared events match; {self._partial_text()}{unrecorded}"
+            if self.partial_results or self.scaled_results:
+                return f"all {self.compared} compared events match; {self._results_text()}{unrecorded}"
             return (f"all {self.compared} compared events match: the divergence starts after the last recorded "
                     f"event (in the gradient reduction or the optimizer step){unrecorded}")
         lines = [f"first diverging event: {self.first_diverging.describe()}"]
@@ -149,15 +155,22 @@ class Localisation:
             lines.append(f"then {crash}")
         return "\n".join(lines)
 
-    def _partial_text(self) -> str:
-        """The results the ranks hold as partial sums, by the mesh dim they are summed over."""
-        by_dim: dict[str, list[str]] = defaultdict(list)
-        for name, dim in self.partial_results.items():
-            by_dim[dim].append(name)
-        by_dim = {dim: sorted(names) for dim, names in by_dim.items()}
-        return "; ".join(f"{', '.join(names)} {'are' if len(names) > 1 else 'is'} per-rank partial sums over {dim} "
-                         f"(summed they match the reference): {'their' if len(names) > 1 else 'its'} all-reduce "
-                         f"over {dim} is missing" for dim, names in by_dim.items())
+    def _results_text(self) -> str:
+        """The results the ranks hold as partial sums, by the mesh dim they are summed over; those
+        that are the reference scaled, by the factor."""
+
+        def grouped(found: dict[str, str]) -> dict[str, tuple[str, str, str]]:
+            by: dict[str, list[str]] = defaultdict(list)
+            for name, key in found.items():
+                by[key].append(name)
+            return {key: (", ".join(sorted(names)),) + (("are", "their") if len(names) > 1 else ("is", "its"))
+                    for key, names in by.items()}
+
+        partial = [f"{names} {are} per-rank partial sums over {dim} (summed they match the reference): {their} "
+                   f"all-reduce over {dim} is missing" for dim, (names, are, their) in grouped(self.partial_results).items()]
+        scaled = [f"{names} {are} the reference {factor}: scaled by a group's size (a reduction over the wrong "
+                  "group, or once too often)" for factor, (names, are, _) in grouped(self.scaled_results).items()]
+        return "; ".join(partial + scaled)
 
     def as_json(self) -> dict:
         def one(f: Finding | None):
@@ -173,6 +186,7 @@ class Localisation:
                 "first_diverging": one(self.first_diverging), "last_matching": self.last_matching or None,
                 "origin": one(self.origin),
                 "unrecorded": self.unrecorded[:20], "errors": self.errors, "partial_results": self.partial_results,
+                "scaled_results": self.scaled_results,
                 "diagnosis": self.diagnosis}
 
 
@@ -199,12 +213,26 @@ def partial_sums(rows: list[Row], pieces: dict[str, dict[int, Piece]], expected:
     """Each tensor of ``rows`` whose copies disagree (a failing ``replicas`` row) and whose ranks'
     ``pieces`` are partial sums of ``expected`` -> the mesh dim they are partial over
     (:func:`partial_over`). Copies that agree are no partial sums, whatever their sum: every rank
-    holding half the gradient is the gradient over dp, a scale."""
+    holding half the gradient is the gradient over dp, a scale. Optimizer states are left out: they
+    follow from the gradients."""
     found = {}
-    for name in dict.fromkeys(r.tensor for r in rows if r.problem == "replicas" and not r.ok):
+    for name in dict.fromkeys(r.tensor for r in rows if r.problem == "replicas" and not r.ok
+                              and parse(r.tensor).kind != "opt"):
         dim = partial_over(name, pieces[name], expected[name], layout, tol)
         if dim:
             found[name] = dim
+    return found
+
+
+def scaled(rows: list[Row], mesh) -> dict[str, str]:
+    """Each tensor of ``rows`` that is the reference times a whole factor -> the factor, named with
+    the groups of ``mesh`` of that size (``x 1/2 = 1/tp``: :func:`~harness.bisect.signature.factor_text`)."""
+    found = {}
+    for row in rows:
+        factor = factor_text(row.norm_ratio, row.fit_residual, mesh) if row.problem == "mismatch" and row.numel > 1 \
+            else None
+        if factor:
+            found[row.tensor] = factor
     return found
 
 
@@ -253,6 +281,7 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
                         deadline=cell_deadline(pool, component))
     layout = MeshLayout.of(cfg.mesh)
     partial_results: dict[str, str] = {}
+    scaled_results: dict[str, str] = {}
     report = None
     try:
         results = {r: got["result"] for r, got in per_rank.items()}
@@ -265,6 +294,7 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
             rows = [r for r in report.failing() if r.tensor in expected and r.tensor in held]
             partial_results = partial_sums(rows, {r.tensor: {k: got[r.tensor] for k, got in results.items()}
                                                   for r in rows}, expected, layout, tol_of)
+            scaled_results = scaled(rows, cfg.mesh)
     except AssemblyError:
         result_ok = False
     parallel: dict[str, dict[int, events.Event]] = defaultdict(dict)
@@ -275,7 +305,7 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
     tol = tolerance(cfg.dtype, sizes if isinstance(sizes, int) else sizes["*"])
     found = Localisation(len(reference), len(parallel), result_ok=result_ok,
                          errors={r: got["error"] for r, got in per_rank.items() if got["error"]},
-                         partial_results=partial_results, report=report)
+                         partial_results=partial_results, scaled_results=scaled_results, report=report)
     for want in reference:
         ranks = parallel.get(want.key)
         if not ranks:

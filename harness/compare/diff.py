@@ -54,10 +54,11 @@ class Report:
         return [r for r in self.rows if not r.ok]
 
     def table(self, only_failing: bool = True, first: Callable[[str], int] | None = None,
-              most: int | None = None) -> str:
+              most: int | None = None, width: int | None = None) -> str:
         """The rows as a table: the failing ones (``only_failing``), sorted by ``first(tensor)``
-        (stable: the comparison's order otherwise), at most ``most`` of them with a line that says
-        how many more there are."""
+        (stable: the comparison's order otherwise), at most ``most`` of them, and at most ``width``
+        columns wide (dropping :data:`SPARE_COLUMNS`, in that order, then shortening tensor names),
+        with a last line that says what was left out."""
         import pandas as pd
 
         rows = self.failing() if only_failing else self.rows
@@ -65,29 +66,55 @@ class Report:
             rows = sorted(rows, key=lambda r: first(r.tensor))
         more = len(rows) - most if most is not None and len(rows) > most else 0
         rows = rows[:len(rows) - more]
-        frame = pd.DataFrame(
-            [
-                {
-                    "tensor": r.tensor,
-                    "problem": r.problem or "ok",
-                    "worst index": "(" + ",".join(map(str, r.worst_index)) + ")" if r.worst_index else "",
-                    "actual": r.actual,
-                    "expected": r.expected,
-                    "abs err": r.abs_err,
-                    "rel err": r.rel_err,
-                    "tol": r.tol,
-                    "err/tol": r.ratio,
-                    "norm ratio": r.norm_ratio,
-                    "bad": r.bad,
-                    "bad ranks": r.ranks,
-                }
-                for r in rows
-            ]
-        )
-        with pd.option_context("display.width", 250, "display.max_columns", 20, "display.max_colwidth", 40):
-            text = frame.to_string(index=False, na_rep="", float_format=lambda v: f"{v:.4g}")
-        return text + (f"\n... and {more} more rows (the whole table: the cell's junit record, "
-                       "python -m harness.report)" if more else "")
+        frame = pd.DataFrame([_columns(r) for r in rows], columns=COLUMNS)
+        text, dropped, shortened = _text(frame), [], False
+        for column in SPARE_COLUMNS:
+            if width is None or _width(text) <= width:
+                break
+            dropped.append(column)
+            text = _text(frame.drop(columns=dropped))
+        if width is not None and _width(text) > width:  # then tensor names
+            keep = max(frame["tensor"].map(len).max() - (_width(text) - width), 32)
+            names = frame["tensor"].map(lambda t: _shortened(t, keep))
+            text, shortened = _text(frame.drop(columns=dropped).assign(tensor=names)), True
+        left = [f"{more} more rows"] * bool(more) + dropped + ["whole names"] * shortened
+        return f"{text}\n... {', '.join(left)}: {WHOLE_TABLE}" if left else text
+
+
+# the columns of :meth:`Report.table`, and those a narrow table leaves out first: each follows from
+# the others (abs err = |actual - expected|, tol = abs err / err/tol)
+COLUMNS = ("tensor", "problem", "worst index", "actual", "expected", "abs err", "rel err", "tol", "err/tol",
+           "norm ratio", "bad", "bad ranks")
+SPARE_COLUMNS = ("rel err", "abs err", "tol", "worst index")
+WHOLE_TABLE = "in its junit record (python -m harness.report)"  # where a shortened table is whole
+
+
+def _columns(r: Row) -> dict:
+    return {"tensor": r.tensor, "problem": r.problem or "ok",
+            "worst index": "(" + ",".join(map(str, r.worst_index)) + ")" if r.worst_index else "",
+            "actual": r.actual, "expected": r.expected, "abs err": r.abs_err, "rel err": r.rel_err, "tol": r.tol,
+            "err/tol": r.ratio, "norm ratio": r.norm_ratio, "bad": r.bad, "bad ranks": r.ranks}
+
+
+def _shortened(tensor: str, most: int) -> str:
+    """``opt/exp_avg/...layers.1.attn.q_norm.weight``: the kind of result kept, the parameter's path
+    losing its start (its end names the parameter)."""
+    if len(tensor) <= most:
+        return tensor
+    kind, _, param = tensor.rpartition("/")
+    kind = kind + "/" if kind else ""
+    return kind + "..." + param[len(kind) + 3 - most:] if len(kind) + 8 < most else tensor[:most - 3] + "..."
+
+
+def _text(frame) -> str:
+    import pandas as pd
+
+    with pd.option_context("display.width", 1000, "display.max_columns", 20, "display.max_colwidth", 1000):
+        return frame.to_string(index=False, na_rep="", float_format=lambda v: f"{v:.4g}")
+
+
+def _width(text: str) -> int:
+    return max(map(len, text.splitlines()), default=0)
 
 
 def _as_assembled(value) -> Assembled:
@@ -190,7 +217,7 @@ def _compare_one(name: str, got: Assembled, want: torch.Tensor, tol: Tolerance, 
                 abs_err=got.replica_gap,
                 tol=floor,
                 ratio=got.replica_gap / floor if floor else math.inf,
-                bad=f"ranks {i} and {j} hold different copies",
+                bad="copies differ",
                 ranks=f"{i},{j}",
             )
         )

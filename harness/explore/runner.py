@@ -32,6 +32,7 @@ from ..bisect.shrink import Search
 from ..bisect.signature import Signature
 from ..config import Config
 from ..pool.parent import Pool
+from ..screen import fitted
 from .strategies import configs, within
 
 
@@ -101,7 +102,7 @@ class Exploration:
             return f"{self.target}: nothing found in {self.trials} trials, {self.seconds:.1f} s{stop}{ignored}"
         cfg, python = self.minimal, shlex.quote(sys.executable)
         origin = f"replayed from the example database {database}" if self.replayed else "drawn"
-        lines = [f"{self.target}: found {cfg.id} fails with {self.signature}",
+        lines = [fitted(f"{self.target}: found {cfg.id} fails with {self.signature}"),
                  f"  first failure {origin} at trial {self.found_trial}, {self.found_seconds:.1f} s: {self.first.id}",
                  f"  shrunk by hypothesis, then bisect's search: {self.trials - self.found_trial} more trials, "
                  f"{self.seconds:.1f} s in all; essential: {', '.join(self.essential) or 'none'}"]
