@@ -3,6 +3,8 @@ tiny Qwen3-MoE (harness/examples/qwen3moe_hf.py). Never a flag in production cod
 function of its own, registered as the ``noexpsum`` implementation of the ``qwen3moebug`` model."""
 import dataclasses
 
+import torch
+
 from torch.distributed.fsdp import fully_shard
 
 from harness.examples import qwen3moe_hf
@@ -26,3 +28,28 @@ def ep_without_expert_sum(model, meshes):
 
 
 NOEXPSUM = dataclasses.replace(qwen3moe_hf.CASE, parallelize={"noexpsum": ep_without_expert_sum}, supports={})
+
+
+class _GradTwice(torch.autograd.Function):
+    """The identity forward; twice the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
+def ep_router_grad_twice(model, meshes):
+    """transformers' own EP plan (all_to_all) and FSDP2, with a backward-only bug in the last layer's
+    router: the gradient of its routing weights is doubled on its way back, the forward untouched."""
+    made = qwen3moe_hf.ep(model, meshes)
+    gate = made.model.layers[1].mlp.gate
+    gate.register_forward_hook(lambda module, args, out: (out[0], _GradTwice.apply(out[1]), out[2]))
+    return made
+
+
+ROUTERGRAD = dataclasses.replace(qwen3moe_hf.CASE, parallelize={"routergrad": ep_router_grad_twice},
+                                 supports={})
