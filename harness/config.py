@@ -17,6 +17,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from .names import dim_hint
+
 DTYPES = ("fp64", "fp32", "bf16", "fp16")
 
 _NAME = re.compile(r"[a-z]+")
@@ -32,10 +34,12 @@ class ConfigError(ValueError):
 
 
 def _pairs(value, what: str) -> tuple:
+    __tracebackhide__ = True
     items = tuple(value.items()) if isinstance(value, dict) else tuple(tuple(p) for p in value)
     names = [k for k, _ in items]
     if len(set(names)) != len(names):
-        raise ConfigError(f"{what} names must be unique, got {names}")
+        twice = next(k for k in names if names.count(k) > 1)
+        raise ConfigError(f"{what} names must be unique, got {names}: give {twice!r} once")
     return items
 
 
@@ -56,6 +60,7 @@ class Config:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        __tracebackhide__ = True
         set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731 (frozen dataclass)
         set_("mesh", tuple((str(k), int(v)) for k, v in _pairs(self.mesh, "mesh dim")))
         set_("sizes", tuple(sorted((str(k), int(v)) for k, v in _pairs(self.sizes, "size"))))
@@ -69,7 +74,7 @@ class Config:
             raise ConfigError("mesh needs at least one dim, e.g. tp=1")
         for name, degree in self.mesh:
             if not _NAME.fullmatch(name):
-                raise ConfigError(f"mesh dim name {name!r} must be lowercase letters, e.g. dp, tp, cp")
+                raise ConfigError(f"mesh dim name {name!r} must be lowercase letters, e.g. dp, tp, cp{dim_hint(name)}")
             if degree < 1:
                 raise ConfigError(f"mesh dim {name}={degree} must be at least 1")
         for key, value in self.sizes:

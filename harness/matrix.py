@@ -12,24 +12,33 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 from collections import defaultdict
 from typing import Iterable, Iterator
 
-from .config import Config
+from .config import Config, ConfigError
 
 
 def mesh(text: str) -> tuple[tuple[str, int], ...]:
-    """``"dp=2,tp=4"`` -> ``(("dp", 2), ("tp", 4))``."""
+    """``"dp=2,tp=4"`` -> ``(("dp", 2), ("tp", 4))``; a text that is no such list raises
+    :class:`ConfigError` saying how to write it (the names and degrees are the config's to check)."""
+    __tracebackhide__ = True  # pytest shows a bad mesh at the user's line, not as a traceback of ours
+    example = ",".join(f"{name}={degree}" for name, degree in re.findall(r"([a-z_]+)\s*=?\s*(\d+)", text)) or "dp=2,tp=2"
+    if re.search(r"[;:/ |]", text.strip()):
+        raise ConfigError(f"mesh {text!r}: separate its dims with commas, e.g. {example!r}")
     dims = []
     for item in text.split(","):
-        name, _, degree = item.partition("=")
-        dims.append((name.strip(), int(degree)))
+        name, eq, degree = (part.strip() for part in item.partition("="))
+        if not eq or not name or not re.fullmatch(r"-?\d+", degree):
+            raise ConfigError(f"mesh {text!r}: {item.strip()!r} is not <dim>=<degree>, e.g. {example!r}")
+        dims.append((name, int(degree)))
     return tuple(dims)
 
 
 def cells(component: str, *, impls: Iterable[str], meshes: Iterable[str], dtypes: Iterable[str],
           sizes: dict[str, int], switches: dict[str, Iterable[str]], seed: int = 0) -> list[Config]:
     """Every combination of the axes, in a stable order."""
+    __tracebackhide__ = True
     keys = sorted(switches)
     out = []
     for impl, mesh_text, dtype, values in itertools.product(

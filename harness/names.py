@@ -47,9 +47,19 @@ ELSEWHERE = {"dp_replicate": "rep", "dp_shard": "dp", "dp_shard_cp": "fsdp", "dp
 
 def unknown_dim(name: str, known) -> str:
     """Why ``name`` is not a dim here, and what to write instead."""
+    return f"unknown mesh dim {name!r}: the dims are {', '.join(known)}{dim_hint(name, known)} (harness.names)"
+
+
+def dim_hint(name: str, known=DEGREES) -> str:
+    """``; torchtitan's 'dp_shard' is 'dp' here``, or ``; did you mean 'dp'?`` for a near miss of
+    ``known``, or ""."""
+    import difflib
+
     ours = ELSEWHERE.get(name)
-    hint = f"; torchtitan's {name!r} is {ours!r} here" if ours else ""
-    return f"unknown mesh dim {name!r}: the dims are {', '.join(known)}{hint} (harness.names)"
+    if ours:
+        return f"; torchtitan's {name!r} is {ours!r} here"
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 # ---- results ------------------------------------------------------------------------------------------

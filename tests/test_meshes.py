@@ -81,7 +81,7 @@ def test_spec_round_trips_through_its_id():
      "unknown mesh dim 'dp_shard': the dims are pp, rep, dp, cp, tp, ep, etp; torchtitan's 'dp_shard' is 'dp' "
      "here (harness.names); efsdp is derived: dp·cp·tp / (ep·etp)"),
     (lambda: MeshSpec.from_mesh((("dp", 2), ("sp", 4))),
-     "unknown mesh dim 'sp': the dims are pp, rep, dp, cp, tp (harness.names), in the layout (('dp', 2), ('sp', 4))"),
+     "unknown mesh dim 'sp': the dims are pp, rep, dp, cp, tp; did you mean 'tp'? (harness.names), in the layout (('dp', 2), ('sp', 4))"),
     (lambda: MeshSpec.of(8, dp=2, tp=4, etp=2),
      "etp=2 must be 1 or tp=4: experts either reuse the dense tp ranks (etp=tp) or are not tensor-parallel (etp=1)"),
     (lambda: MeshSpec.of(8, dp=8, cp=0), "cp=0 must be at least 1: a degree of 1 turns the dim off"),

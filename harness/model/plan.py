@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ..config import Config, ConfigError
 from ..meshes.device_mesh import MeshSpec
-from ..names import DENSE
+from ..names import DENSE, dim_hint
 from ..world import any_world
 from .batches import global_batch
 from .case import MESH_SWITCHES, ModelCase
@@ -36,7 +36,7 @@ def mesh_spec(cfg: Config) -> MeshSpec:
     unknown = [n for n in names if n not in DENSE]
     if unknown:
         raise ConfigError(f"{cfg.id}: mesh dim {unknown[0]!r} is not a model mesh dim: name them "
-                          f"{', '.join(DENSE)} (harness.names), e.g. dp=2,tp=2")
+                          f"{', '.join(DENSE)} (harness.names), e.g. dp=2,tp=2{dim_hint(unknown[0], DENSE)}")
     order = [n for n in DENSE if n in names]
     if names != order:
         raise ConfigError(f"{cfg.id}: mesh dims {','.join(names)} are out of order: write them as "

@@ -83,6 +83,7 @@ def model_cells(name: str, *, impls: Iterable[str] | None = None, meshes: Iterab
     the case's by default) × mesh × dtype × switch value. ``meshes`` name their dims ``pp``, ``rep``,
     ``dp``, ``cp``, ``tp``, in that order (``"dp=2,tp=2"``, :mod:`harness.names`); ``switches``
     ``ep`` and ``etp`` set the expert mesh (``{"ep": ["2"]}``); ``steps`` defaults to the case's."""
+    __tracebackhide__ = True  # a bad mesh or switch: pytest shows the user's line and the message
     case = case_of(name)
     return cells(name, impls=list(impls if impls is not None else case.parallelize), meshes=meshes, dtypes=dtypes,
                  sizes={"steps": steps or case.steps}, switches=dict(switches or {}), seed=seed)
