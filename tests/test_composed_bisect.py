@@ -10,6 +10,7 @@ ringoff start pipelined) and the minimal config's module events compare with the
 import pytest
 
 import tests.test_bisect as bisect_tests
+from tests.conftest import flat
 from tests.test_composed_bugs import BUGS
 
 # the same model as the composed one: the same deadline (4 x --case-deadline)
@@ -47,12 +48,12 @@ def test_bisect_localises_a_planted_composed_bug_to_its_block_step_and_microbatc
     if origin is not None:
         assert place["origin"]["event"] == origin, place
         assert place["first_diverging"]["event"] == origin, place  # nothing diverges before it
-        assert f"where it starts: {origin}: its inputs match the reference, its outputs do not" in done.stdout
+        assert f"where it starts: {origin}: its inputs match the reference, its outputs do not" in flat(done.stdout)
     else:
         # step 1's forward and backward match in every module; the gradients of block 1, all of its
         # parameters' and no other's, do not
         assert place["first_diverging"] is None and place["result_matches"] is False and place["compared"] > 0, place
-        assert "the divergence starts after the last recorded event (in the gradient reduction" in done.stdout
+        assert "the divergence starts after the last recorded event (in the gradient reduction" in flat(done.stdout)
         assert "dp=2" in result["essential"], result
         grads = {t.removeprefix("grad/") for t in result["tensors"] if t.startswith("grad/")}
         assert grads == {f"layers.1.{p}" for p in ("attention_norm.weight", "attention.wq", "attention.wk", "attention.wv",

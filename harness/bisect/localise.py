@@ -118,7 +118,7 @@ class Localisation:
     diagnosis: str = ""
 
     def summary(self) -> str:
-        """The lines a failing cell prints under its table (:func:`harness.cell.fitted` to the screen)."""
+        """The lines a failing cell prints under its table (:func:`harness.screen.fitted` to the screen)."""
         return fitted("\n".join(line for line in (self.diagnosis, self._events_summary()) if line))
 
     def _events_summary(self) -> str:
