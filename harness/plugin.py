@@ -186,13 +186,14 @@ def parity(request, rank_pool):
 
 @pytest.hookimpl(trylast=True)  # after junitxml has kept the whole failure
 def pytest_runtest_logreport(report):
-    _summary.add(report)
+    from .fixture import record_of
+
+    record = record_of(report)  # read once, for the summary and for the failures printed alike
+    _summary.add(report, record)
     if _timeline is not None:
         _timeline.add(report)
     if _alike is not None:
-        from .fixture import record_of
-
-        _alike.add(report, record_of(report))
+        _alike.add(report, record)
 
 
 def pytest_sessionfinish(session):

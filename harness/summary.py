@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from .fixture import record_of
 
 
 class Summary:
@@ -23,9 +22,8 @@ class Summary:
         self.written: list[str] = []
         self.times: list[tuple[float, str]] = []  # (seconds the plugin recorded, node id) of cells that ran
 
-    def add(self, report) -> None:
-        """One test's report (its call phase, when it carries a cell's record)."""
-        record = record_of(report)
+    def add(self, report, record: dict | None) -> None:
+        """One test's report and the cell's record it carries (its call phase; None otherwise)."""
         if record is None:
             return
         row = self.rows[record["component"]]
