@@ -56,9 +56,6 @@ class Event:
     key: str
     inputs: dict[str, Piece] = field(default_factory=dict)
     outputs: dict[str, Piece] = field(default_factory=dict)
-    # a module's event whose outputs are what hooks registered on it (a TP or EP style's) returned:
-    # they may be per rank by design (harness.model.hooks)
-    hooked: bool = False
 
 
 _recorder: list[Event] | None = None

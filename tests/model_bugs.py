@@ -56,6 +56,14 @@ def wo_partial_in_one_block(model, meshes):
     return tp_without_sequence_parallel(model, meshes, partial_wo=("1",))
 
 
+def wo_scaled_in_one_block(model, meshes):
+    """The same plan with a forward hook of the user's on the second block's ``wo`` (after its
+    ``RowwiseParallel``'s own) that scales what it returns: every rank agrees, the reference does not."""
+    made = tp_without_sequence_parallel(model, meshes)
+    made.layers["1"].attention.wo.register_forward_hook(lambda module, args, out: out * 1.01)
+    return made
+
+
 def stage_reinitialised(model, meshes):
     """1F1B over pp=2 whose second stage initialises its attention's query weights again after the
     split (as a script does that builds its stages and calls each stage's init, the start it was
@@ -71,7 +79,7 @@ def stage_reinitialised(model, meshes):
 BUGS = ModelCase(build=titan.Transformer, batch=titan.batch, loss=titan.loss, parallelize={
     "wocol": wo_colwise, "nosp": norm_without_sequence_parallel, "hsdpdims": hsdp_wrong_dims,
     "lossworld": loss_over_world_twice, "stagereinit": stage_reinitialised, "tpnosp": tp_without_sequence_parallel,
-    "wopartial": wo_partial_in_one_block})
+    "wopartial": wo_partial_in_one_block, "wohook": wo_scaled_in_one_block})
 
 
 # ---- a tied embedding across pipeline stages --------------------------------------------------------

@@ -76,8 +76,9 @@ def test_model_records_carry_every_steps_losses_and_the_failing_cells_module_err
     bad = next(r for cell, r in records.items() if "-bad-" in cell)
     modules, columns, values = module_grid(bad)
     assert modules == ["fc1", "act", "fc2"]
-    i, j = first_diverging(columns, values, modules)
+    i, j = first_diverging(bad, modules, columns, values)  # the square outlined: the module pytest named
     assert (modules[i], columns[j]) == ("fc2", (1, "fwd")), json.dumps(bad["model"])
+    assert bad["where"].startswith("first diverging module: fc2 (output, step 1"), bad["where"]
     assert values[modules.index("fc1"), columns.index((1, "fwd"))] < 1  # upstream of the bug: green
 
 

@@ -3,11 +3,13 @@ with pytest in a subprocess): a bug whose forward matches everywhere is named in
 its module, not at a module whose output expert parallelism makes per rank by design; a bug in one
 stage of a 1F1B pipeline is named at its module, its microbatches joined as the whole batch; and one
 block's ``wo`` whose rowwise output is left ``Partial()`` is named at ``wo`` as partial sums over tp,
-while the same plan without the bug passes.
+while the same plan without the bug passes; a hook of the user's after ``wo``'s rowwise style, scaling
+what it returns on every rank alike, is named at ``wo`` itself: a module with hooks of its own is judged
+by its numbers.
 
 The bugs are users' parallelize functions registered by path from the project's conftest:
-``ep_without_expert_sum`` (tests/model_bugs_moe.py), ``stage_reinitialised`` and ``wo_partial_in_one_block``
-(tests/model_bugs.py)."""
+``ep_without_expert_sum`` (tests/model_bugs_moe.py), ``stage_reinitialised``, ``wo_partial_in_one_block`` and
+``wo_scaled_in_one_block`` (tests/model_bugs.py)."""
 import subprocess
 import sys
 import textwrap
@@ -30,7 +32,7 @@ TEST = textwrap.dedent('''\
 
     CELLS = (model_cells("moebug", meshes=["dp=4"], switches={"ep": ["2"]})  # efsdp = 2 copies
              + model_cells("pipebug", impls=["stagereinit"], meshes=["pp=2"])
-             + model_cells("pipebug", impls=["wopartial", "tpnosp"], meshes=["tp=2"]))
+             + model_cells("pipebug", impls=["wopartial", "wohook", "tpnosp"], meshes=["tp=2"]))
 
 
     @pytest.mark.parametrize("cfg", CELLS, ids=str)
@@ -45,14 +47,17 @@ def test_each_bug_is_named_where_it_starts(tmp_path):
         (tmp_path / name).write_text(text)
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--case-deadline", "120"],
                           cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 1 and "3 failed, 1 passed" in done.stdout, done.stdout[-5000:] + done.stderr[-2000:]
-    moe, pipe, partial = (done.stdout.split(f"test_bug[{cell}")[1]
-                          for cell in ("moebug-noexpsum", "pipebug-stagereinit", "pipebug-wopartial"))
+    assert done.returncode == 1 and "4 failed, 1 passed" in done.stdout, done.stdout[-5000:] + done.stderr[-2000:]
+    moe, pipe, partial, hooked = (done.stdout.split(f"test_bug[{cell}")[1] for cell in
+                                  ("moebug-noexpsum", "pipebug-stagereinit", "pipebug-wopartial", "pipebug-wohook"))
     moe_text, pipe_text, partial_text = flat(moe), flat(pipe), flat(partial)
     # a block's wo left as partial sums over tp: named at wo, not at the attention that uses it
     assert ("first diverging module: layers.1.attention.wo (output, step 1, microbatch 0): its inputs still match "
             "the reference, it returns per-rank partial sums over tp: summed they match the reference; "
             "layers.1.attention uses them unreduced") in partial_text, partial[:4000]
+    # the same wo scaled by a hook after its style's: judged like any module, not named at its parent
+    assert ("first diverging module: layers.1.attention.wo (output, step 1, microbatch 0): its inputs still match "
+            "the reference, its outputs do not") in flat(hooked), hooked[:4000]
     assert ("first diverging module: model.layers.1.mlp.experts (parameter gradients, step 1), in the backward "
             "pass: every judged forward output matches") in moe_text, moe[:4000]
     assert ".mlp.gate" not in line_of(moe, "first diverging module:")

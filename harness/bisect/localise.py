@@ -15,6 +15,8 @@ import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+import torch
+
 from .. import events
 from ..cell import assemble_result, cell_deadline, parity, reference_for
 from ..compare.diff import Row, compare
@@ -61,7 +63,7 @@ def _numbered(log: list[events.Event]) -> list[events.Event]:
     for event in log:
         seen[event.key] += 1
         if seen[event.key] > 1:
-            event = events.Event(f"{event.key} #{seen[event.key]}", event.inputs, event.outputs, event.hooked)
+            event = events.Event(f"{event.key} #{seen[event.key]}", event.inputs, event.outputs)
         out.append(event)
     return out
 
@@ -74,9 +76,11 @@ class Finding:
     inputs: list[Row] = field(default_factory=list)
     outputs: list[Row] = field(default_factory=list)
     note: str = ""  # why it could not be compared
-    hooked: bool = False  # its outputs are what hooks registered on the module returned (events.Event)
     # output -> the mesh dim over which the ranks hold partial sums of it (summed, they match)
     partial: dict[str, str] = field(default_factory=dict)
+    # diverging outputs that no form recovers and that ranks given the same input hold differently:
+    # per rank by design (an EP router's masked scores), not judged (per_rank_by_design)
+    per_rank: list[str] = field(default_factory=list)
 
     @property
     def diverges(self) -> bool:
@@ -224,6 +228,47 @@ def partial_sums(rows: list[Row], pieces: dict[str, dict[int, Piece]], expected:
     return found
 
 
+def _same(a: Piece, b: Piece, tol) -> bool:
+    """Whether two ranks' pieces hold the same values (to ``tol``)."""
+    if a.tensor.shape != b.tensor.shape:
+        return False
+    if not a.tensor.is_floating_point():
+        return bool(torch.equal(a.tensor, b.tensor))
+    return bool(((a.tensor.double() - b.tensor.double()).abs() <= tol.allowed(a.tensor)).all())
+
+
+def per_rank_by_design(rows: list[Row], ranks: dict[int, events.Event], layout: MeshLayout, tol,
+                       recovered: dict[str, str]) -> list[str]:
+    """The outputs of a module event (``ranks``: rank -> its event) that fail in every form the
+    ranks' pieces can take (``recovered``: those that match as partial sums) and that two ranks hold
+    differently though they received the same input and hold the same part of the output (equal
+    coordinates on the dims it is placed over): what the module returns is per rank by design, and
+    no reference holds it in that form. A divergence that every such pair of ranks agrees on is
+    judged, whatever hooks the module carries."""
+    out = []
+    for name in dict.fromkeys(r.tensor for r in rows if not r.ok and r.tensor not in recovered):
+        held = {rank: e.outputs[name] for rank, e in ranks.items() if name in e.outputs}
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for rank, piece in held.items():
+            coords = tuple(layout.coord(rank, d) for d in piece.placements if d in layout.names)
+            groups[(tuple(sorted(piece.placements)), coords)].append(rank)
+        for group in groups.values():
+            same_input = [[group[0]]]  # ranks of the group, by the input they received
+            for rank in group[1:]:
+                given = ranks[rank].inputs.get("input")
+                for kept in same_input:
+                    other = ranks[kept[0]].inputs.get("input")
+                    if (given is None) == (other is None) and (given is None or _same(given, other, tol)):
+                        kept.append(rank)
+                        break
+                else:
+                    same_input.append([rank])
+            if any(not _same(held[kept[0]], held[r], tol) for kept in same_input for r in kept[1:]):
+                out.append(name)
+                break
+    return out
+
+
 def scaled(rows: list[Row], mesh) -> dict[str, str]:
     """Each tensor of ``rows`` that is the reference times a whole factor -> the factor, named with
     the groups of ``mesh`` of that size (``x 1/2 = 1/tp``: :func:`~harness.bisect.signature.factor_text`)."""
@@ -311,7 +356,7 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
         if not ranks:
             found.unrecorded.append(want.key)
             continue
-        finding = Finding(want.key, hooked=any(e.hooked for e in ranks.values()))
+        finding = Finding(want.key)
         if complete:
             found.findings.append(finding)
         try:
@@ -327,6 +372,7 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
                 getattr(finding, role).extend(rows)
                 if role == "outputs":
                     finding.partial = partial_sums(rows, pieces, expected, layout, tol)
+                    finding.per_rank = per_rank_by_design(rows, ranks, layout, tol, finding.partial)
         except AssemblyError as error:
             finding.note = str(error)
             found.uncompared.append(finding)

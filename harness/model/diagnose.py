@@ -10,12 +10,14 @@ That one run gives both:
   (``{"reference": [...], "run": [...]}``, every step's loss from the comparison) and, for a failing
   cell, ``modules``: ``[[module, phase, step, err/tol], ...]``, every module event compared (``fwd``
   its output, ``bwd`` its input gradient; ``null`` for an event that could not be compared), which
-  the report draws as a module × step heatmap.
+  the report draws as a module × step heatmap, and ``first``: ``[module, phase]``, the module the
+  diagnosis names, which the heatmap outlines (absent where it names none).
 """
 from __future__ import annotations
 
 import math
 import re
+from typing import NamedTuple
 
 from ..bisect.localise import localise
 from ..bisect.signature import factor_text
@@ -45,8 +47,11 @@ def diagnose(case: ModelCase, cfg: Config, pool, report, rerun: bool) -> Diagnos
             record["modules_error"] = f"{type(error).__name__}: {error}"
         else:
             record["modules"] = module_rows(found)
-            first, line = where_it_starts(found, report, cfg.mesh)
-            lines.append(line)
+            start = where_it_starts(found, report, cfg.mesh)
+            first = start.module
+            lines.append(start.line)
+            if first is not None:
+                record["first"] = [first, start.phase]
     backward = backward_order(params, found)
     gradients = first_gradients(backward, report, cfg.mesh, found.partial_results if found else None)
     return Diagnosis("\n".join(lines + ([gradients] if gradients else [])), {"model": record},
@@ -95,45 +100,48 @@ def _owned(module: str, report) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def where_it_starts(found, report, mesh=()) -> tuple[str | None, str]:
+class Start(NamedTuple):
+    """Where a model cell's divergence starts: the module (None: no module), the pass it is named in
+    (``fwd`` or ``bwd``, as the record's ``modules`` rows say) and the line that says so."""
+
+    module: str | None
+    phase: str
+    line: str
+
+
+def where_it_starts(found, report, mesh=()) -> Start:
     """The first diverging module and the line that names it: in the forward pass of step 1, the
     first module whose judged output diverges; where every judged forward output matches, the loss
     when the gradient it hands back to the model already differs (with the group whose size scales
     it, of ``mesh``), else in the backward pass, the first module (in the order backward reaches
     them) whose input gradient or own parameters' gradients (the cell's comparison) diverge. Events
-    with nothing placed are not judged."""
+    with nothing placed, and outputs per rank by design (:func:`by_design`), are not judged; a module
+    is judged by its numbers whatever hooks ``parallelize`` put on it."""
     step1 = [f for f in found.findings if _where(f.key).get("step") == "1"]
     judged = [f for f in step1 if f.inputs or f.outputs]
-    diverging = [f for f in judged if f.key.startswith("fwd") and f.diverges]
-    # what hooks parallelize put on a module may hand back per-rank forms by design: such an output is
-    # where a divergence starts only when nothing else is and the step's loss differs
-    by_hooks = [f for f in diverging if f.hooked and f.starts_here and not f.partial]
-    forward = next((f for f in diverging if f not in by_hooks), None)
-    loss_differs = any(parse(r.tensor) == parse("loss/step1") for r in report.failing())
-    if forward is None and by_hooks and loss_differs:
-        hooked = by_hooks[-1]
-        return _where(hooked.key)["module"], (
-            f"first diverging module: {module_of(hooked.key)}: its inputs still match the reference, what it returns "
-            "through the hooks parallelize registered on it does not, and the loss of step 1 differs")
+    forwards = [f for f in judged if f.key.startswith("fwd") and f.diverges]
+    designed = [f for f in forwards if by_design(f)]
+    diverging = [f for f in forwards if not by_design(f)]
+    forward = diverging[0] if diverging else None
     if forward is not None:
         module = _where(forward.key)["module"]
         if forward.starts_here and forward.partial:
             parent = module.rpartition(".")[0] or "the model"
-            return module, (f"first diverging module: {module_of(forward.key)}: its inputs still match the "
+            return Start(module, "fwd", f"first diverging module: {module_of(forward.key)}: its inputs still match the "
                             f"reference, it returns per-rank partial sums over {_dims(forward.partial)}: summed they "
                             f"match the reference; {parent} uses them unreduced")
         if forward.starts_here:
-            return module, (f"first diverging module: {module_of(forward.key)}: its inputs still match the "
+            return Start(module, "fwd", f"first diverging module: {module_of(forward.key)}: its inputs still match the "
                             "reference, its outputs do not")
-        return module, (f"first diverging module: {module_of(forward.key)}; what it received already differs: "
+        return Start(module, "fwd", f"first diverging module: {module_of(forward.key)}; what it received already differs: "
                         "the divergence starts before it, in code no module hook sees (between modules, a hook)")
     backward = [f for f in step1 if f.key.startswith("bwd")]
     if not diverging and backward and any(not r.ok for r in backward[0].inputs):
         last = _where(backward[0].key)["module"]
         bad = next(r for r in backward[0].inputs if not r.ok)
         factor = factor_text(bad.norm_ratio, bad.fit_residual, mesh)
-        return None, (f"first diverging module: none, it starts in the loss (step 1): every judged forward output "
-                      f"matches, the gradient the loss hands back to {last} does not"
+        return Start(None, "", f"first diverging module: none, it starts in the loss (step 1): every judged forward output "
+                      f"matches{_designed(designed)}, the gradient the loss hands back to {last} does not"
                       + (f" (the reference {factor})" if factor else f" (norm ratio {bad.norm_ratio:.4g})")
                       + ": the loss function, what it is divided by, or code between the model and it")
     for event in backward:
@@ -147,22 +155,40 @@ def where_it_starts(found, report, mesh=()) -> tuple[str | None, str]:
         dims = {found.partial_results.get(grad_name(f"{module}.{n}")) for n in own}
         if own and not passes_on and len(dims) == 1 and None not in dims:
             dim = dims.pop()
-            return module, (f"first diverging module: {module} (parameter gradients, step 1), in the backward pass: "
+            return Start(module, "bwd", f"first diverging module: {module} (parameter gradients, step 1), in the backward pass: "
                             f"the gradient it received {received}, its parameters' gradients ({', '.join(own)}) "
                             f"are per-rank partial sums over {dim} (summed they match the reference): their "
                             f"all-reduce over {dim} is missing")
         wrong = " and ".join((["its input gradient"] if passes_on else [])
                              + ([f"its parameters' gradients ({', '.join(own)})"] if own else []))
         head = module_of(event.key) if passes_on else f"{module} (parameter gradients, step 1)"
-        forward_text = ("every judged forward output matches" if not diverging else
-                        "the forward outputs that differ are what hooks hand back per rank")
-        return module, (f"first diverging module: {head}, in the backward pass: {forward_text}, the gradient it "
+        forward_text = "every judged forward output matches" + _designed(designed)
+        return Start(module, "bwd", f"first diverging module: {head}, in the backward pass: {forward_text}, the gradient it "
                         f"received {received}, {wrong} {'do' if own or ' and ' in wrong else 'does'} not")
     if not judged:
-        return None, ("first diverging module: not known: no module's tensors could be placed on the mesh to "
+        return Start(None, "", "first diverging module: not known: no module's tensors could be placed on the mesh to "
                       "compare (outputs its styles make per rank, or tensors of no batch layout)")
-    return None, ("first diverging module: none: every judged module's outputs and gradients match the "
+    return Start(None, "", "first diverging module: none: every judged module's outputs and gradients match the "
                   "reference, so the divergence is in the gradient reduction, the optimizer step or the loss")
+
+
+def by_design(finding) -> bool:
+    """Whether a forward event diverges only in outputs that are per rank by design (its inputs
+    match; each failing output is one that ranks given the same input hold differently and that no
+    form recovers: :func:`harness.bisect.localise.per_rank_by_design`). Such outputs are not judged."""
+    failing = {r.tensor for r in finding.outputs if not r.ok}
+    return finding.starts_here and bool(failing) and failing <= set(finding.per_rank)
+
+
+def _designed(designed: list, most: int = 2) -> str:
+    """`` (what X returns is per rank by design ...)`` for the forward events :func:`by_design` left
+    unjudged; "" for none."""
+    modules = list(dict.fromkeys(_where(f.key).get("module", "?") for f in designed))
+    if not modules:
+        return ""
+    named = ", ".join(modules[:most]) + (f" and {len(modules) - most} more" if len(modules) > most else "")
+    return (f" (what {named} {'returns' if len(modules) == 1 else 'return'} is per rank by design: ranks given "
+            "the same input hold it differently; not judged)")
 
 
 def _dims(partial: dict[str, str]) -> str:

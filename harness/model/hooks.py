@@ -12,13 +12,12 @@ plain tensor as this rank's rows of the batch (dim 0 over rep·dp, ``seq_dim`` o
 tensor that is not laid out so does not assemble, and that event is reported as uncompared rather
 than as a divergence.
 
-A module that ``parallelize`` gave hooks of its own (a TP or EP style, a wrapper's) is *hooked*: its
-hooks may turn what its forward takes and gives into per-rank forms by design (dispatched tokens, an
-EP router's masked scores and remapped indices). So its input is recorded as the caller passed it
-(before the hooks that transform inputs), its output as the module returns it to the caller, and its
-event is marked (``Event.hooked``): an output that differs there while its input matches is not
-named as where a divergence starts unless nothing else explains a diverging loss
-(:mod:`harness.model.diagnose`).
+A module that ``parallelize`` gave hooks of its own (a TP or EP style, a wrapper's) may turn what its
+forward takes and gives into other forms (dispatched tokens, an EP router's masked scores). So its
+input is recorded as the caller passed it (before the hooks that transform inputs) and its output as
+the module returns it to the caller: what the rest of the model sees. Whether such an output is per
+rank by design is decided by the numbers, not by the hooks
+(:func:`harness.bisect.localise.per_rank_by_design`).
 """
 from __future__ import annotations
 
@@ -73,7 +72,7 @@ class Recorder:
         # dim 0 in microbatch order (the schedule's contiguous split of this rank's rows), one event
         # as the whole model's; its gradients are scaled as the schedule chose, so not compared
         self.microbatches = microbatches
-        self._pending: dict[tuple[str, int], list[tuple[dict, dict, bool]]] = {}
+        self._pending: dict[tuple[str, int], list[tuple[dict, dict]]] = {}
         # a rank's loss is the mean over its own slice of the batch: its activation gradients are
         # those of the global mean loss times the number of slices, which this factor undoes
         self.grad_scale = grad_scale
@@ -83,11 +82,10 @@ class Recorder:
             for name, module in root.named_modules():
                 if not name:
                     continue
-                hooked = bool(module._forward_hooks or module._forward_pre_hooks)
                 inputs: dict[int, Any] = {}  # id(module) -> the call's input as the caller gave it
                 self.handles.append(module.register_forward_pre_hook(
                     self._take_input(inputs), with_kwargs=True, prepend=True))
-                self.handles.append(module.register_forward_hook(self._hook(name, hooked, inputs), with_kwargs=True))
+                self.handles.append(module.register_forward_hook(self._hook(name, inputs), with_kwargs=True))
 
     @property
     def step(self) -> int:
@@ -112,7 +110,7 @@ class Recorder:
                 names = set.intersection(*(set(call[role]) for call in calls))
                 joined.append({n: torch.cat([call[role][n] for call in calls]) for n in sorted(names)
                                if len({call[role][n].shape[1:] for call in calls}) == 1 and calls[0][role][n].dim()})
-            self._record("fwd", where, joined[0], joined[1], calls[0][2])
+            self._record("fwd", where, joined[0], joined[1])
             events.append(events.Event(events.key("bwd", "module", where)))
         self._pending.clear()
 
@@ -129,7 +127,7 @@ class Recorder:
                                            if isinstance(a, torch.Tensor)), None)
         return hook
 
-    def _hook(self, name: str, hooked: bool, taken: dict):
+    def _hook(self, name: str, taken: dict):
         def hook(module, args, kwargs, output):
             if not events.active() or (self.microbatches and _inferring_shapes()):
                 return
@@ -140,15 +138,14 @@ class Recorder:
             inputs = {"input": first} if first is not None and first.is_floating_point() else {}
             if self.microbatches:
                 self._pending.setdefault((name, self._step), []).append(
-                    tuple({n: t.detach().clone() for n, t in tensors.items()} for tensors in (inputs, outputs))
-                    + (hooked,))
+                    tuple({n: t.detach().clone() for n, t in tensors.items()} for tensors in (inputs, outputs)))
                 return
-            self._record("fwd", where, inputs, outputs, hooked)
-            self._backward(where, inputs, outputs, hooked)
+            self._record("fwd", where, inputs, outputs)
+            self._backward(where, inputs, outputs)
         return hook
 
-    def _record(self, phase: str, where: dict, inputs: dict, outputs: dict, hooked: bool) -> None:
-        event = events.Event(events.key(phase, "module", where), hooked=hooked)
+    def _record(self, phase: str, where: dict, inputs: dict, outputs: dict) -> None:
+        event = events.Event(events.key(phase, "module", where))
         for role, tensors in (("inputs", inputs), ("outputs", outputs)):
             for n, t in tensors.items():
                 piece = self._piece(t, where["module"], n)
@@ -158,7 +155,7 @@ class Recorder:
                     getattr(event, role)[n] = piece
         events.append(event)
 
-    def _backward(self, where: dict, inputs: dict, outputs: dict, hooked: bool) -> None:
+    def _backward(self, where: dict, inputs: dict, outputs: dict) -> None:
         """The bwd event: gradients of the outputs (its inputs) and of the input (its output),
         recorded when the input's gradient arrives (or the outputs', for a module whose input needs none)."""
         needs = {n: t for n, t in inputs.items() if t.requires_grad}
@@ -171,7 +168,7 @@ class Recorder:
         def finish(grads_out: dict):
             if not done:
                 done.append(True)
-                self._record("bwd", where, dict(grads_in), grads_out, hooked)
+                self._record("bwd", where, dict(grads_in), grads_out)
 
         def on_output(n: str):
             def hook(grad):

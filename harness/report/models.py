@@ -84,9 +84,22 @@ def module_grid(record: dict) -> tuple[list[str], list[tuple[int, str]], np.ndar
     return modules, columns, values
 
 
-def first_diverging(columns: list[tuple[int, str]], values: np.ndarray, modules: list[str]) -> tuple[int, int] | None:
-    """The (row, column) of the first event past its tolerance, in the order the run made them:
-    steps in order, within a step the forward top to bottom, then the backward bottom to top."""
+def first_diverging(record: dict, modules: list[str], columns: list[tuple[int, str]],
+                    values: np.ndarray) -> tuple[int, int] | None:
+    """The (row, column) of the module the cell's diagnosis names (``record["model"]["first"]``,
+    the line pytest, bisect and exploration print) at step 1; None where it names none. A record
+    written before diagnoses named theirs: the first event past its tolerance, in the order the
+    run made them (steps in order, within a step the forward top to bottom, then the backward
+    bottom to top)."""
+    named = record["model"].get("first")
+    if named is not None:
+        module, phase = named
+        step = min((s for s, p in columns if p == phase), default=None)
+        if module in modules and step is not None:
+            return modules.index(module), columns.index((step, phase))
+        return None
+    if "where" in record:
+        return None
     for j, (_, phase) in enumerate(columns):
         rows = range(len(modules)) if phase == "fwd" else reversed(range(len(modules)))
         for i in rows:
@@ -107,7 +120,7 @@ def plot_modules(record: dict, path) -> tuple[int, int] | None:
         ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=SKIP, edgecolor="white", hatch="///", lw=0))
     for i, j in zip(*np.where(values > 1)):
         ax.text(j, i, _short(float(values[i, j])), ha="center", va="center", fontsize=6, color="white")
-    first = first_diverging(columns, values, modules)
+    first = first_diverging(record, modules, columns, values)
     if first is not None:
         i, j = first
         ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="black", lw=2.5))
@@ -116,7 +129,10 @@ def plot_modules(record: dict, path) -> tuple[int, int] | None:
                   fontsize=7)
     ax.xaxis.tick_top()
     title = f"{record['cell']}: err/tol per module and step"
-    if first is not None:
+    where = record.get("where", "")
+    if where.startswith("first diverging module:"):  # the diagnosis's line, up to what it says of the module
+        title += "\n" + ": ".join(where.split(": ")[:2])
+    elif first is not None:
         what = "output" if columns[first[1]][1] == "fwd" else "input gradient"
         title += f"\nfirst diverging: {modules[first[0]]} ({what}, step {columns[first[1]][0]})"
     ax.set_title(title, fontsize=8.5, loc="left", color=FAIL, pad=28)
