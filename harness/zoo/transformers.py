@@ -1,0 +1,189 @@
+"""The transformers zoo: every architecture of the installed transformers that ships a parallel plan,
+built tiny from its own config and trained under that plan against one process.
+
+One function makes every case (:func:`case`, loaded by the ranks as
+``"harness.zoo.transformers:case(<model_type>)"``); :func:`zoo_cells` registers each architecture as
+model ``hf<model type's letters and digits>`` (:func:`name_of`) and returns its cells:
+
+* ``tp``: the model's ``base_model_tp_plan`` through ``maybe_distribute_model`` with a
+  ``DistributedConfig(tp_size=...)``, at tp=2 and tp=4;
+* ``tpauto``: the same plan through the other entry point, ``from_pretrained(tp_plan="auto")``;
+* ``ep``: the model's ``base_model_ep_plan`` with FSDP2 (all-to-all), ep=2 borrowed from dp=2.
+
+A tiny config is the architecture's default config with :data:`SIZES` given for every field it has,
+:data:`OVERRIDES` for the families a generic shrink cannot build, and every field that draws random
+numbers in training mode (:data:`RANDOM`) set to 0. An architecture that still does not build, or
+whose built model still holds a dropout, is a skip that says why: never a red.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+
+import torch
+
+from harness.examples import llama_hf, pretrained_hf, qwen3moe_hf
+from harness.model import ModelCase, model_cells
+from harness.model.register import model_component
+from harness.registry import get, register_component
+
+# the generic shrink: a field of these names the architecture's config has takes this value
+SIZES = dict(
+    vocab_size=llama_hf.VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=4, head_dim=8, max_position_embeddings=64,
+    moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_local_experts=4,
+    n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+    topk_group=1, kv_lora_rank=8, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+    sliding_window=16, output_router_logits=False, tie_word_embeddings=False, use_cache=False,
+)
+# a tiny model has about 10^4 to 10^5; more says the shrink missed a size field
+MOST_PARAMETERS = 2_000_000
+# fields that draw random numbers in training mode: dropouts and router jitter
+RANDOM = re.compile(r".*(dropout|jitter).*")
+# per family, what the generic shrink gets wrong (the architecture's own test config is the source)
+OVERRIDES: dict[str, dict] = {}
+# (model_type) -> why the zoo does not build it, where no override can help yet
+UNBUILT: dict[str, str] = {}
+
+
+class Unbuildable(Exception):
+    """An architecture the zoo cannot build tiny: the cell skips with this reason."""
+
+
+def architectures(plan: str = "tp") -> list[str]:
+    """The model types of the installed transformers whose config ships a ``base_model_<plan>_plan``."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    found = []
+    for model_type in CONFIG_MAPPING.keys():
+        try:
+            config_class = CONFIG_MAPPING[model_type]
+        except Exception:  # noqa: BLE001  a config whose module cannot import (a missing extra)
+            continue
+        if getattr(config_class, f"base_model_{plan}_plan", None):
+            found.append(model_type)
+    return sorted(found)
+
+
+def tiny_config(model_type: str):
+    """The architecture's config, shrunk (see the module docstring); raises :class:`Unbuildable`."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type in UNBUILT:
+        raise Unbuildable(UNBUILT[model_type])
+    config_class = CONFIG_MAPPING[model_type]
+    default = config_class()
+    fields = set(default.to_dict()) | set(inspect.signature(config_class.__init__).parameters)
+    sizes = {k: v for k, v in SIZES.items() if k in fields}
+    sizes |= {k: 0.0 for k, v in default.to_dict().items() if RANDOM.fullmatch(k) and isinstance(v, float)}
+    # token ids of the full vocabulary (bos, eos, pad, an image's) name no token of the tiny one
+    beyond = [k for k, v in default.to_dict().items()
+              if k.endswith("_token_id") and isinstance(v, int) and v >= SIZES["vocab_size"]]
+    sizes |= {k: SIZES["vocab_size"] - 1 - i for i, k in enumerate(beyond)}  # the last ids, one each
+    if isinstance(default.to_dict().get("layer_types"), list):
+        sizes["layer_types"] = default.layer_types[:SIZES["num_hidden_layers"]]
+    sizes |= OVERRIDES.get(model_type, {})
+    try:
+        return config_class(**sizes)
+    except Exception as error:  # noqa: BLE001  a strict validator: the reason is the skip's
+        raise Unbuildable(f"its config rejects the tiny sizes: {type(error).__name__}: {error}") from error
+
+
+def build_tiny(model_type: str) -> torch.nn.Module:
+    """The architecture's causal LM, tiny, eager attention; its routers initialised wide enough that
+    top-k choices do not hang on fp32 rounding (as harness.examples.qwen3moe_hf does)."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type)
+    try:
+        with torch.device("meta"):  # its size first: a field the shrink missed can ask for gigabytes
+            sized = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        count = sum(p.numel() for p in sized.parameters())
+        if count > MOST_PARAMETERS:
+            raise Unbuildable(f"the generic shrink leaves {count:,} parameters (at most {MOST_PARAMETERS:,}): "
+                              "a size field it does not know needs an entry in OVERRIDES")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    except Unbuildable:
+        raise
+    except Exception as error:  # noqa: BLE001
+        first = (str(error).splitlines() or [""])[0]
+        raise Unbuildable(f"no tiny causal LM: {type(error).__name__}: {first}") from error
+    random = [f"{n} (p={m.p})" for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    if random:
+        raise Unbuildable(f"draws random numbers in training mode: dropout at {', '.join(random[:3])}")
+    hidden = getattr(config, "hidden_size", 32)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if re.search(r"\.(gate|router)(\.classifier)?$", name) and isinstance(weight, torch.Tensor) \
+                    and weight.dim() == 2:
+                torch.nn.init.normal_(weight, std=hidden ** -0.5)
+    return model
+
+
+@functools.cache
+def unbuilt(model_type: str) -> str | None:
+    """Why the zoo cannot build ``model_type`` tiny (:class:`Unbuildable`), or None: built once per
+    process, in the parent, before any rank is asked to."""
+    try:
+        build_tiny(model_type)
+    except Unbuildable as error:
+        return str(error)
+    return None
+
+
+def skip_reason(cfg) -> str | None:
+    """A zoo cell's skip: the architecture's (``Implementation.skip``)."""
+    reason = unbuilt(get(cfg.component).case.partition("(")[2].rstrip(")"))
+    return f"not built tiny: {reason}" if reason else None
+
+
+def _tp_only(spec):
+    used = [d for d in ("pp", "rep", "dp", "cp") if getattr(spec, d) > 1]
+    return f"the TP plan here runs on tp meshes only, not {', '.join(used)}" if used else None
+
+
+def case(model_type: str) -> ModelCase:
+    """The zoo's case for one architecture: its own plans as implementations (module docstring)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    parallelize = {"tp": llama_hf.tp, "tpauto": pretrained_hf.parallelize}
+    supports = {"tp": _tp_only, "tpauto": _tp_only}
+    if getattr(config_class, "base_model_ep_plan", None):
+        parallelize["ep"] = qwen3moe_hf.ep
+        supports["ep"] = qwen3moe_hf._ep_fits
+    # transformers' default experts kernel, as its users run it: the reference runs it from fp32
+    return ModelCase(build=lambda: build_tiny(model_type), batch=llama_hf.batch, loss=llama_hf.loss,
+                     forward=llama_hf.forward, parallelize=parallelize, supports=supports,
+                     fp32_ops=("_grouped_mm",))
+
+
+def name_of(model_type: str) -> str:
+    """The model name of an architecture in cell ids: ``hf`` and its model type's letters and digits
+    (``qwen3_moe`` -> ``hfqwen3moe``): a cell id's first field takes nothing else."""
+    return "hf" + re.sub(r"[^a-z0-9]", "", model_type.lower())
+
+
+def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = ("tp", "tpauto", "ep")):
+    """Register every architecture with a TP plan (``only``: these model types) and return its
+    cells: ``tp`` at tp=2 and tp=4, ``tpauto`` at tp=2, ``ep`` at dp=2 with ep=2."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    out, named = [], {}
+    for model_type in only or architectures("tp"):
+        if name_of(model_type) in named:
+            raise ValueError(f"{model_type!r} and {named[name_of(model_type)]!r} both name {name_of(model_type)!r}")
+        named[name_of(model_type)] = model_type
+        impls = [p for p in plans if p != "ep" or getattr(CONFIG_MAPPING[model_type], "base_model_ep_plan", None)]
+        name = name_of(model_type)
+        register_component(model_component(name, f"harness.zoo.transformers:case({model_type})", impls,
+                                           skip="harness.zoo.transformers:skip_reason"))
+        if "tp" in impls:
+            out += model_cells(name, impls=["tp"], meshes=["tp=2", "tp=4"])
+        if "tpauto" in impls:
+            out += model_cells(name, impls=["tpauto"], meshes=["tp=2"])
+        if "ep" in impls:
+            out += model_cells(name, impls=["ep"], meshes=["dp=2"], switches={"ep": ["2"]})
+    return out
