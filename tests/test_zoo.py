@@ -35,3 +35,77 @@ def test_the_zoo_checks_each_plan_and_skips_what_it_cannot_build(tmp_path):
 def test_an_unknown_plan_is_one_line_with_the_choices(tmp_path):
     done = zoo(tmp_path, "--plans", "tp,pp")
     assert done.returncode == 2 and "--plans: unknown pp; give some of tp, tpauto, ep" in done.stderr, done.stderr
+
+
+def test_the_nightly_zoo_workflow_lints_and_runs_the_command_tested_here():
+    from tests.test_workflow import WORKFLOWS, lint, load
+
+    workflow = WORKFLOWS / "zoo.yml"
+    done = lint(workflow)
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = {s["name"]: s for s in load(workflow)["jobs"]["zoo"]["steps"] if "name" in s}
+    assert steps["Zoo"]["run"].startswith(".venv/bin/python -m harness.zoo transformers ")
+    assert "workflow_dispatch" in load(workflow)[True] and "schedule" in load(workflow)[True]  # YAML reads `on` as True
+
+
+FAMILY = '''
+import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from harness.model import ModelCase
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, width), torch.nn.Linear(width, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(step)
+    return {"input": torch.randn(4, 8, generator=g), "target": torch.randn(4, 8, generator=g)}
+
+
+def loss(out, batch):
+    return ((out - batch["target"]) ** 2).mean()
+
+
+def tp(model, meshes):
+    return parallelize_module(model, meshes.mesh("tp"), {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+
+def case(size):
+    return ModelCase(build=lambda: MLP({"small": 8, "wide": 32}[size]), batch=batch, loss=loss,
+                     parallelize={"tp": tp})
+'''
+FAMILY_CONFTEST = '''
+from harness.model import register_model
+
+for size in ("small", "wide"):
+    register_model(f"mlp{size}", f"family:case({size})")
+'''
+FAMILY_TEST = '''
+import pytest
+from harness.model import model_cells
+
+CELLS = model_cells("mlpsmall", meshes=["tp=2"]) + model_cells("mlpwide", meshes=["tp=2"])
+
+
+@pytest.mark.parametrize("cfg", CELLS, ids=str)
+def test_family(cfg, parity):
+    parity(cfg)
+'''
+
+
+def test_a_users_family_registers_its_cases_by_one_factory(tmp_path):
+    """docs/models.md's family: two cases from one function, imported by the ranks by path."""
+    for name, text in (("family.py", FAMILY), ("conftest.py", FAMILY_CONFTEST), ("test_family.py", FAMILY_TEST),
+                       ("pytest.ini", "[pytest]\n")):
+        (tmp_path / name).write_text(text)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA"], cwd=tmp_path,
+                          env=env_for(tmp_path), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "test_family[mlpsmall-tp-tp2-" in done.stdout and "test_family[mlpwide-tp-tp2-" in done.stdout

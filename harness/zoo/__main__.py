@@ -4,7 +4,9 @@ against one process; a table of architecture × plan × mesh.
 It runs the zoo's cells (:func:`harness.zoo.transformers.zoo_cells`) with pytest in a project of its
 own in a temporary directory, with the pool and the junit record every cell run gets, and writes
 ``zoo.md`` (one row per cell: pass, red with its first line, crash with its cause, skip with its
-reason) and ``zoo.json`` (the same, for comparing two transformers releases) under ``--out``.
+reason, known or fixed), ``zoo.html`` (architecture x plan and mesh, coloured) and ``zoo.json`` (the
+same rows) under ``--out``. ``python -m harness.zoo diff old/zoo.json new/zoo.json`` says what changed
+between two transformers releases.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from html import escape
 from pathlib import Path
 
 TEST = '''\
@@ -31,46 +34,86 @@ def test_zoo(cfg, parity):
 '''
 
 
+VERDICTS = ("pass", "red", "crash", "skip", "known", "fixed")
+COLOURS = {"pass": "#2e7d32", "red": "#c62828", "crash": "#e65100", "skip": "#9e9e9e", "known": "#1565c0",
+           "fixed": "#6a1b9a"}
+
+
 def rows(junit: Path) -> list[dict]:
-    """One row per cell of a zoo run's junit file: its id, verdict and the line that says why."""
+    """One row per cell of a zoo run's junit file: its id, verdict and the line that says why:
+    ``pass``; ``red`` (where it starts); ``crash`` (its one-line cause); ``skip`` (why); ``known``
+    (an upstream divergence declared for this release, :data:`harness.zoo.transformers.KNOWN`);
+    ``fixed`` (a declared one that now matches: its entry can go)."""
     from harness.report.junit import read
 
     out = []
     for case in read([junit]).cells:
         record = case.record or {}
         status = record.get("status") or case.outcome
-        kind = record.get("kind", "")
-        verdict = {"passed": "pass", "skipped": "skip", "xfailed": "known"}.get(status) or \
-            ("red" if kind in ("mismatch", "nan") else "crash")
         text = case.text or case.message or ""
+        if record.get("expected"):
+            verdict = "known" if case.outcome == "skipped" else "fixed"
+        else:
+            verdict = {"passed": "pass", "skipped": "skip"}.get(status) or \
+                ("red" if record.get("kind") in ("mismatch", "nan") else "crash")
         raised = re.search(r"^\s*rank \d+: (?:raised|died): (.+)$", text, re.M)
-        why = {"skip": case.skip_reason, "red": record.get("where") or "",
+        why = {"skip": case.skip_reason, "red": record.get("where") or "", "known": record.get("expected", ""),
+               "fixed": f"declared known ({record.get('expected', '')}) but matches now",
                "crash": raised.group(1) if raised else (text.splitlines() or [""])[0]}.get(verdict, "")
         out.append({"cell": case.cell, "verdict": verdict, "why": why or ""})
     return sorted(out, key=lambda r: r["cell"])
 
 
+def counts(found: list[dict]) -> str:
+    return ", ".join(f"{sum(r['verdict'] == v for r in found)} {v}" for v in VERDICTS)
+
+
 def markdown(found: list[dict], versions: str) -> str:
-    counts = {v: sum(r["verdict"] == v for r in found) for v in ("pass", "red", "crash", "skip", "known")}
-    lines = [f"# transformers zoo ({versions})", "",
-             ", ".join(f"{n} {v}" for v, n in counts.items()), "",
+    lines = [f"# transformers zoo ({versions})", "", counts(found), "",
              "| cell | verdict | why |", "|---|---|---|"]
     lines += [f"| `{r['cell']}` | {r['verdict']} | {r['why'].replace('|', '/')} |" for r in found]
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.zoo", description=__doc__.splitlines()[0])
-    parser.add_argument("library", choices=["transformers"], help="whose zoo")
-    parser.add_argument("--only", default="", help="model types, comma separated (default: every one with a plan)")
-    parser.add_argument("--plans", default="tp,tpauto,ep", help="of tp, tpauto, ep (default: all three)")
-    parser.add_argument("--out", type=Path, default=Path("zoo-out"), help="where zoo.md and zoo.json go")
-    parser.add_argument("-n", default="auto", help="pytest-xdist workers (default: auto)")
-    args = parser.parse_args(argv)
-    plans = tuple(p for p in args.plans.split(",") if p)
-    if bad := [p for p in plans if p not in ("tp", "tpauto", "ep")]:
-        parser.error(f"--plans: unknown {', '.join(bad)}; give some of tp, tpauto, ep")
+def html(found: list[dict], versions: str) -> str:
+    """Architecture x (plan, mesh), each square coloured by its verdict, its line on hover."""
+    grid: dict[str, dict[str, dict]] = {}
+    for r in found:
+        model, impl, mesh = r["cell"].split("-")[:3]
+        grid.setdefault(model, {})[f"{impl} {mesh}"] = r
+    columns = sorted({c for by in grid.values() for c in by})
+    head = "".join(f"<th>{c}</th>" for c in columns)
+    body = []
+    for model in sorted(grid):
+        squares = []
+        for c in columns:
+            r = grid[model].get(c)
+            squares.append("<td></td>" if r is None else
+                           f'<td style="background:{COLOURS[r["verdict"]]}" title="{escape(r["why"])}">'
+                           f'{r["verdict"]}</td>')
+        body.append(f"<tr><th>{model}</th>{''.join(squares)}</tr>")
+    return (f"<!doctype html><meta charset='utf-8'><title>transformers zoo</title><style>body{{font-family:sans-serif}}"
+            f"td{{color:white;text-align:center;font-size:12px;padding:2px 6px}}th{{font-size:12px;text-align:left}}"
+            f"</style><h1>transformers zoo ({escape(versions)})</h1><p>{counts(found)}</p>"
+            f"<table><tr><th></th>{head}</tr>{''.join(body)}</table>")
+
+
+def changes(old: dict, new: dict) -> list[str]:
+    """What changed between two zoo.json files: each cell whose verdict moved, one line each."""
+    before = {r["cell"]: r for r in old["cells"]}
+    after = {r["cell"]: r for r in new["cells"]}
+    out = []
+    for cell in sorted(set(before) | set(after)):
+        a, b = before.get(cell), after.get(cell)
+        if a is None or b is None or a["verdict"] != b["verdict"]:
+            out.append(f"{cell}: {a['verdict'] if a else 'absent'} -> {b['verdict'] if b else 'absent'}"
+                       + (f" ({b['why']})" if b and b["why"] else ""))
+    return out
+
+
+def run(args) -> int:
     only = [m for m in args.only.split(",") if m]
+    plans = tuple(p for p in args.plans.split(",") if p)
     args.out.mkdir(parents=True, exist_ok=True)
     junit = (args.out / "junit.xml").resolve()
     with tempfile.TemporaryDirectory(prefix="harness-zoo-") as project:
@@ -86,11 +129,45 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import transformers
 
+    versions = f"transformers {transformers.__version__}"
     (args.out / "zoo.json").write_text(json.dumps({"transformers": transformers.__version__, "cells": found},
                                                   indent=1))
-    (args.out / "zoo.md").write_text(markdown(found, f"transformers {transformers.__version__}"))
-    print(f"zoo: {args.out / 'zoo.md'}")
+    (args.out / "zoo.md").write_text(markdown(found, versions))
+    (args.out / "zoo.html").write_text(html(found, versions))
+    print(f"zoo ({versions}): {counts(found)}: {args.out / 'zoo.md'}, zoo.html, zoo.json")
     return 0
+
+
+def diff(args) -> int:
+    try:
+        old, new = (json.loads(Path(p).read_text()) for p in (args.old, args.new))
+    except (OSError, ValueError) as error:
+        print(f"python -m harness.zoo diff: {error}: give two zoo.json files that python -m harness.zoo wrote",
+              file=sys.stderr)
+        return 2
+    moved = changes(old, new)
+    print(f"transformers {old.get('transformers')} -> {new.get('transformers')}: {len(moved)} cells changed")
+    print("\n".join(moved))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.zoo", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    zoo = sub.add_parser("transformers", help="check every architecture's shipped plans")
+    zoo.add_argument("--only", default="", help="model types, comma separated (default: every one with a plan)")
+    zoo.add_argument("--plans", default="tp,tpauto,ep", help="of tp, tpauto, ep (default: all three)")
+    zoo.add_argument("--out", type=Path, default=Path("zoo-out"), help="where zoo.md, zoo.html and zoo.json go")
+    zoo.add_argument("-n", default="auto", help="pytest-xdist workers (default: auto)")
+    compared = sub.add_parser("diff", help="what changed between two zoo.json files (two releases)")
+    compared.add_argument("old", type=Path)
+    compared.add_argument("new", type=Path)
+    args = parser.parse_args(argv)
+    if args.command == "diff":
+        return diff(args)
+    if bad := [p for p in args.plans.split(",") if p and p not in ("tp", "tpauto", "ep")]:
+        zoo.error(f"--plans: unknown {', '.join(bad)}; give some of tp, tpauto, ep")
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +46,34 @@ RANDOM = re.compile(r".*(dropout|jitter).*")
 OVERRIDES: dict[str, dict] = {}
 # (model_type) -> why the zoo does not build it, where no override can help yet
 UNBUILT: dict[str, str] = {}
+
+
+@dataclass(frozen=True)
+class Known:
+    """A divergence of one architecture's shipped plan in a range of transformers releases, found by
+    the zoo and traced in transformers' source: its cells run as strict xfails there, so a release
+    that fixes it turns them into an XPASS the zoo reports as ``fixed``.
+
+    ``fix``: the ``tp_plan`` entries that make the plan right, where one exists: the zoo also runs
+    the plan with them (implementation ``tpfixed``), which must pass."""
+
+    model_type: str
+    plan: str  # tp, tpauto or ep
+    versions: str  # a PEP 440 specifier of the transformers releases that ship it: ">=5.20"
+    reason: str
+    fix: dict[str, str] = field(default_factory=dict)
+
+
+KNOWN: tuple[Known, ...] = ()
+
+
+def known(model_type: str, plan: str) -> Known | None:
+    """The :class:`Known` divergence of ``model_type``'s ``plan`` in the installed transformers."""
+    from packaging.specifiers import SpecifierSet
+    from transformers import __version__
+
+    return next((k for k in KNOWN if (k.model_type, k.plan) == (model_type, plan)
+                 and __version__ in SpecifierSet(k.versions, prereleases=True)), None)
 
 
 class Unbuildable(Exception):
@@ -139,6 +168,12 @@ def skip_reason(cfg) -> str | None:
     return f"not built tiny: {reason}" if reason else None
 
 
+def tp_with(model, meshes, tp_plan: dict[str, str]):
+    """The model's TP plan with ``tp_plan``'s entries put over it, as a user's ``DistributedConfig``
+    does."""
+    return llama_hf.distribute(model, meshes, tp_size=meshes.spec.tp, tp_plan=tp_plan)
+
+
 def _tp_only(spec):
     used = [d for d in ("pp", "rep", "dp", "cp") if getattr(spec, d) > 1]
     return f"the TP plan here runs on tp meshes only, not {', '.join(used)}" if used else None
@@ -154,9 +189,17 @@ def case(model_type: str) -> ModelCase:
     if getattr(config_class, "base_model_ep_plan", None):
         parallelize["ep"] = qwen3moe_hf.ep
         supports["ep"] = qwen3moe_hf._ep_fits
+    xfail = {}
+    for plan in list(parallelize):
+        found = known(model_type, plan)
+        if found is not None:
+            xfail[plan] = lambda cfg, found=found: f"transformers {found.versions}: {found.reason}"
+            if found.fix:
+                parallelize["tpfixed"] = functools.partial(tp_with, tp_plan=found.fix)
+                supports["tpfixed"] = _tp_only
     # transformers' default experts kernel, as its users run it: the reference runs it from fp32
     return ModelCase(build=lambda: build_tiny(model_type), batch=llama_hf.batch, loss=llama_hf.loss,
-                     forward=llama_hf.forward, parallelize=parallelize, supports=supports,
+                     forward=llama_hf.forward, parallelize=parallelize, supports=supports, xfail=xfail,
                      fp32_ops=("_grouped_mm",))
 
 
@@ -177,11 +220,15 @@ def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = ("tp", "tp
             raise ValueError(f"{model_type!r} and {named[name_of(model_type)]!r} both name {name_of(model_type)!r}")
         named[name_of(model_type)] = model_type
         impls = [p for p in plans if p != "ep" or getattr(CONFIG_MAPPING[model_type], "base_model_ep_plan", None)]
+        if "tp" in plans and any(k.fix for k in KNOWN if k.model_type == model_type):
+            impls.append("tpfixed")
         name = name_of(model_type)
         register_component(model_component(name, f"harness.zoo.transformers:case({model_type})", impls,
                                            skip="harness.zoo.transformers:skip_reason"))
         if "tp" in impls:
             out += model_cells(name, impls=["tp"], meshes=["tp=2", "tp=4"])
+        if "tpfixed" in impls:
+            out += model_cells(name, impls=["tpfixed"], meshes=["tp=2"])
         if "tpauto" in impls:
             out += model_cells(name, impls=["tpauto"], meshes=["tp=2"])
         if "ep" in impls:
