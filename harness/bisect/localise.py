@@ -28,7 +28,7 @@ from ..paths import load
 from ..registry import Diagnosis, check_config, get, reference_of
 from ..screen import fitted
 from .signature import factor_text
-from ..compare.tolerance import tolerance
+from ..compare.tolerance import Tolerances, tolerance
 
 
 def recorded_run(ctx, payload: tuple[str, Config]) -> dict:
@@ -247,6 +247,7 @@ def per_rank_by_design(rows: list[Row], ranks: dict[int, events.Event], layout: 
     judged, whatever hooks the module carries."""
     out = []
     for name in dict.fromkeys(r.tensor for r in rows if not r.ok and r.tensor not in recovered):
+        one = tol.get(name) if isinstance(tol, Tolerances) else tol
         held = {rank: e.outputs[name] for rank, e in ranks.items() if name in e.outputs}
         groups: dict[tuple, list[int]] = defaultdict(list)
         for rank, piece in held.items():
@@ -258,12 +259,12 @@ def per_rank_by_design(rows: list[Row], ranks: dict[int, events.Event], layout: 
                 given = ranks[rank].inputs.get("input")
                 for kept in same_input:
                     other = ranks[kept[0]].inputs.get("input")
-                    if (given is None) == (other is None) and (given is None or _same(given, other, tol)):
+                    if (given is None) == (other is None) and (given is None or _same(given, other, one)):
                         kept.append(rank)
                         break
                 else:
                     same_input.append([rank])
-            if any(not _same(held[kept[0]], held[r], tol) for kept in same_input for r in kept[1:]):
+            if any(not _same(held[kept[0]], held[r], one) for kept in same_input for r in kept[1:]):
                 out.append(name)
                 break
     return out
@@ -310,6 +311,30 @@ def diagnosis(cfg: Config, pool, report, rerun: bool) -> Diagnosis:
     return Diagnosis(found.summary())
 
 
+def _calibrated_events(cfg: Config, pool: Pool, component) -> dict[str, events.Event]:
+    """The events of the cell's problem on one process in the cell's dtype (its ``calibration``,
+    recorded): how far right code lies from the fp64 reference's events by rounding alone. Empty
+    where the component has no calibration or the cell is fp64."""
+    if component.calibration is None or cfg.dtype == "fp64":
+        return {}
+    log = pool.alone("harness.bisect.localise:recorded_reference", (component.calibration, cfg), cfg.problem.mesh,
+                     seed=cfg.seed, label=f"{cfg.id} (one process in {cfg.dtype}, recording events)",
+                     deadline=cell_deadline(pool, component))
+    return {event.key: event for event in _numbered(log)}
+
+
+def _event_tolerance(tol, want: events.Event, calibrated: dict[str, events.Event], role: str):
+    """The tolerance one event's tensors are held to: the policy's (``tol``), grown per tensor by
+    what one process in the cell's dtype shows there (:class:`~harness.compare.tolerance.Tolerances`),
+    as the cell's results are: an event is not held tighter than the verdict it explains."""
+    one = calibrated.get(want.key)
+    if one is None:
+        return tol
+    expected = {n: p.tensor for n, p in getattr(want, role).items()}
+    measured = {n: p.tensor for n, p in getattr(one, role).items() if n in expected}
+    return Tolerances(tol.dtype, tol.reduction, reference=expected, one_process=measured)
+
+
 def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
     """Record the reference's and the implementation's events for ``cfg`` and find the divergence.
     ``complete``: compare every event (kept in ``findings``) instead of stopping where it starts."""
@@ -319,6 +344,7 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
                      seed=cfg.seed, label=f"{cfg.id} (its reference, recording events)",
                      deadline=cell_deadline(pool, component))
     reference = _numbered(log)
+    calibrated = _calibrated_events(cfg, pool, component)
     run = component.implementations[cfg.impl].run
     # the cell's own deadline (a model's deadline_factor): recording costs more than the cell, not less
     per_rank = pool.run("harness.bisect.localise:recorded_run", (run, cfg), cfg.mesh, seed=cfg.seed,
@@ -368,11 +394,12 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
                           for n in expected}
                 pieces = {n: held for n, held in pieces.items() if held}
                 got = {n: assemble(f"{want.key} {n}", held, layout, every_rank=False) for n, held in pieces.items()}
-                rows = compare(got, {n: expected[n] for n in got}, tol).rows
+                held_to = _event_tolerance(tol, want, calibrated, role)
+                rows = compare(got, {n: expected[n] for n in got}, held_to).rows
                 getattr(finding, role).extend(rows)
                 if role == "outputs":
-                    finding.partial = partial_sums(rows, pieces, expected, layout, tol)
-                    finding.per_rank = per_rank_by_design(rows, ranks, layout, tol, finding.partial)
+                    finding.partial = partial_sums(rows, pieces, expected, layout, held_to)
+                    finding.per_rank = per_rank_by_design(rows, ranks, layout, held_to, finding.partial)
         except AssemblyError as error:
             finding.note = str(error)
             found.uncompared.append(finding)

@@ -236,7 +236,12 @@ def calibration(case: ModelCase, cfg: Config) -> dict[str, torch.Tensor]:
     """The results of :func:`reference`, of the same model on one process in the cell's dtype (as a
     cell starts it: its rounded start, its autocast or low-precision parameters): how far right code
     lies from fp64 by rounding alone (:mod:`harness.compare.tolerance`)."""
-    return _trained(OneProcess(case, cfg, reference=False), cfg)
+    trainer = OneProcess(case, cfg, reference=False)
+    trainer.recorder = Recorder([trainer.model]) if events.active() else None  # localisation's calibration
+    result = _trained(trainer, cfg)
+    if trainer.recorder is not None:
+        trainer.recorder.remove()
+    return result
 
 
 def _trained(trainer: OneProcess, cfg: Config) -> dict[str, torch.Tensor]:
