@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 from html import escape
+
+from .transformers import PLANS
 from pathlib import Path
 
 TEST = '''\
@@ -51,15 +53,19 @@ def rows(junit: Path) -> list[dict]:
         record = case.record or {}
         status = record.get("status") or case.outcome
         text = case.text or case.message or ""
+        reference = "(its reference)" in text.split("\n", 1)[0]
         if record.get("expected"):
             verdict = "known" if case.outcome == "skipped" else "fixed"
         else:
             verdict = {"passed": "pass", "skipped": "skip"}.get(status) or \
-                ("red" if record.get("kind") in ("mismatch", "nan") else "crash")
-        raised = re.search(r"^\s*rank \d+: (?:raised|died): (.+)$", text, re.M)
-        why = {"skip": case.skip_reason, "red": record.get("where") or "", "known": record.get("expected", ""),
+                ("red" if record.get("kind") in ("mismatch", "nan") else "skip" if reference else "crash")
+        raised = re.search(r"^\s*ranks? [\d, ]+: (?:raised|died): (?:harness\.model\.tasks\.ModuleError: )?(.+)$",
+                           text, re.M)
+        cause = raised.group(1) if raised else (text.splitlines() or [""])[0]
+        why = {"skip": f"its one-process fp64 reference does not run: {cause}" if reference else case.skip_reason,
+               "red": record.get("where") or "", "known": record.get("expected", ""),
                "fixed": f"declared known ({record.get('expected', '')}) but matches now",
-               "crash": raised.group(1) if raised else (text.splitlines() or [""])[0]}.get(verdict, "")
+               "crash": cause}.get(verdict, "")
         out.append({"cell": case.cell, "verdict": verdict, "why": why or ""})
     return sorted(out, key=lambda r: r["cell"])
 
@@ -156,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     zoo = sub.add_parser("transformers", help="check every architecture's shipped plans")
     zoo.add_argument("--only", default="", help="model types, comma separated (default: every one with a plan)")
-    zoo.add_argument("--plans", default="tp,tpauto,ep", help="of tp, tpauto, ep (default: all three)")
+    zoo.add_argument("--plans", default=",".join(PLANS), help=f"of {', '.join(PLANS)} (default: all)")
     zoo.add_argument("--out", type=Path, default=Path("zoo-out"), help="where zoo.md, zoo.html and zoo.json go")
     zoo.add_argument("-n", default="auto", help="pytest-xdist workers (default: auto)")
     compared = sub.add_parser("diff", help="what changed between two zoo.json files (two releases)")
@@ -165,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "diff":
         return diff(args)
-    if bad := [p for p in args.plans.split(",") if p and p not in ("tp", "tpauto", "ep")]:
-        zoo.error(f"--plans: unknown {', '.join(bad)}; give some of tp, tpauto, ep")
+    if bad := [p for p in args.plans.split(",") if p and p not in PLANS]:
+        zoo.error(f"--plans: unknown {', '.join(bad)}; give some of {', '.join(PLANS)}")
     return run(args)
 
 

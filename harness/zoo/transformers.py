@@ -8,7 +8,9 @@ model ``hf<model type's letters and digits>`` (:func:`name_of`) and returns its 
 * ``tp``: the model's ``base_model_tp_plan`` through ``maybe_distribute_model`` with a
   ``DistributedConfig(tp_size=...)``, at tp=2 and tp=4;
 * ``tpauto``: the same plan through the other entry point, ``from_pretrained(tp_plan="auto")``;
-* ``ep``: the model's ``base_model_ep_plan`` with FSDP2 (all-to-all), ep=2 borrowed from dp=2.
+* ``ep``: the model's ``base_model_ep_plan`` with FSDP2 (all-to-all), ep=2 borrowed from dp=2;
+* ``tpep``: both plans at once, ``DistributedConfig(tp_size=2, ep_size=2)``: the experts over the
+  tensor-parallel ranks (ep borrowed from tp, ``etp=1``), the rest under the TP plan.
 
 A tiny config is the architecture's default config with :data:`SIZES` given for every field it has,
 :data:`OVERRIDES` for the families a generic shrink cannot build, and every field that draws random
@@ -50,21 +52,56 @@ UNBUILT: dict[str, str] = {}
 
 @dataclass(frozen=True)
 class Known:
-    """A divergence of one architecture's shipped plan in a range of transformers releases, found by
-    the zoo and traced in transformers' source: its cells run as strict xfails there, so a release
-    that fixes it turns them into an XPASS the zoo reports as ``fixed``.
+    """A divergence or crash of one architecture's shipped plans in a range of transformers
+    releases, found by the zoo and traced in transformers' source: its cells run as strict xfails
+    there, so a release that fixes it turns them into an XPASS the zoo reports as ``fixed``.
 
-    ``fix``: the ``tp_plan`` entries that make the plan right, where one exists: the zoo also runs
-    the plan with them (implementation ``tpfixed``), which must pass."""
+    ``fix``: the ``tp_plan`` entries that make the TP plan right, where one exists: the zoo also
+    runs the plan with them (implementation ``tpfixed``), which must pass."""
 
     model_type: str
-    plan: str  # tp, tpauto or ep
-    versions: str  # a PEP 440 specifier of the transformers releases that ship it: ">=5.20"
+    plans: tuple[str, ...]  # of PLANS
+    versions: str  # a PEP 440 specifier of the transformers releases that ship it: ">=5.23"
     reason: str
     fix: dict[str, str] = field(default_factory=dict)
 
 
-KNOWN: tuple[Known, ...] = ()
+_NORMS = "q_norm and k_norm (RMSNorm over each head) run on each rank's heads and are left plain by the plan"
+KNOWN: tuple[Known, ...] = (
+    # silent: gradients left per-rank partial sums (each fix turns the cell green)
+    Known("apertus", ("tp", "tpauto"), ">=5.23",
+          "the MLP's xIELU activation has parameters (alpha_p, alpha_n) and runs on each rank's shard of the "
+          "up projection; the plan leaves it plain, so their gradients stay per-rank partial sums over tp",
+          fix={"model.layers.*.mlp.act_fn": "replicated_with_grad_allreduce"}),
+    *(Known(model_type, ("tp", "tpauto", "tpep"), ">=5.23",
+            f"{_NORMS} (Qwen3's own plan has replicated_with_grad_allreduce): their weights' gradients stay "
+            "per-rank partial sums over tp",
+            fix={"layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+                 "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"})
+      for model_type in ("qwen3_vl_moe_text", "qwen3_omni_moe_text")),
+    Known("hrm_text", ("tpauto",), ">=5.23",
+          "save_pretrained writes q/k/v/gate and gate/up fused (gqkv_proj, gate_up_proj: conversion_mapping.py); "
+          "from_pretrained(tp_plan='auto') shards the fused tensor before chunking it, so each rank loads the "
+          "wrong rows of every colwise projection (one process loads them right, and so does "
+          "maybe_distribute_model on a built model)"),
+    # crashes at tp=2
+    Known("doge", ("tp", "tpauto"), ">=5.23",
+          "crash: dt_proj is rowwise, so the dynamic attention mask it makes holds every head while q/k/v are "
+          "colwise (each rank's heads): eager_attention_forward adds a 4-head mask to 2-head scores"),
+    Known("embedding_gemma2_text", ("tp", "tpauto"), ">=5.23",
+          "crash: the full-attention layers have one key/value head of 512 (per_layer_config); the colwise "
+          "k_proj/v_proj split it across ranks and .view(..., -1, head_dim) fails"),
+    Known("esmc", ("tp", "tpauto"), ">=5.23",
+          "crash: q_norm/k_norm are LayerNorms over the whole hidden size, applied to the colwise q/k "
+          "projections' local halves"),
+    *(Known(model_type, ("tp", "tpauto", "tpep"), ">=5.23",
+            "crash: the token embedding applies its own RMSNorm (embed_norm) inside its forward, on the rowwise "
+            "embedding's partial sums before the style reduces them: DTensor cannot reduce a Partial there")
+      for model_type in ("inkling_text", "muse_glimmer_text")),
+    Known("llama4_text", ("tp", "tpauto"), ">=5.23",
+          "crash: the MoE block adds the routed experts' output in place (out.add_) to the shared expert's "
+          "output, a view _ToTorchTensor returns under autograd"),
+)
 
 
 def known(model_type: str, plan: str) -> Known | None:
@@ -72,7 +109,7 @@ def known(model_type: str, plan: str) -> Known | None:
     from packaging.specifiers import SpecifierSet
     from transformers import __version__
 
-    return next((k for k in KNOWN if (k.model_type, k.plan) == (model_type, plan)
+    return next((k for k in KNOWN if k.model_type == model_type and plan in k.plans
                  and __version__ in SpecifierSet(k.versions, prereleases=True)), None)
 
 
@@ -95,8 +132,12 @@ def architectures(plan: str = "tp") -> list[str]:
     return sorted(found)
 
 
-def tiny_config(model_type: str):
-    """The architecture's config, shrunk (see the module docstring); raises :class:`Unbuildable`."""
+def tiny_config(model_type: str, layers: str = "kinds"):
+    """The architecture's config, shrunk (see the module docstring); raises :class:`Unbuildable`.
+    ``layers``: for an architecture that mixes layer kinds (``layer_types``), ``"kinds"`` keeps one
+    layer of each kind, in the order it first uses them (two layers cut from the front can miss
+    one); ``"front"`` keeps the first two (for architectures whose other per-layer fields follow
+    the front)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if model_type in UNBUILT:
@@ -105,13 +146,17 @@ def tiny_config(model_type: str):
     default = config_class()
     fields = set(default.to_dict()) | set(inspect.signature(config_class.__init__).parameters)
     sizes = {k: v for k, v in SIZES.items() if k in fields}
+    if "qk_rope_head_dim" in fields:  # multi-head latent attention: its head_dim is the rope part's
+        sizes.pop("head_dim", None)
     sizes |= {k: 0.0 for k, v in default.to_dict().items() if RANDOM.fullmatch(k) and isinstance(v, float)}
     # token ids of the full vocabulary (bos, eos, pad, an image's) name no token of the tiny one
     beyond = [k for k, v in default.to_dict().items()
               if k.endswith("_token_id") and isinstance(v, int) and v >= SIZES["vocab_size"]]
     sizes |= {k: SIZES["vocab_size"] - 1 - i for i, k in enumerate(beyond)}  # the last ids, one each
     if isinstance(default.to_dict().get("layer_types"), list):
-        sizes["layer_types"] = default.layer_types[:SIZES["num_hidden_layers"]]
+        kinds = list(dict.fromkeys(default.layer_types))
+        kept = kinds if layers == "kinds" and len(kinds) > 1 else default.layer_types[:SIZES["num_hidden_layers"]]
+        sizes |= {"layer_types": kept, "num_hidden_layers": len(kept)}
     sizes |= OVERRIDES.get(model_type, {})
     try:
         return config_class(**sizes)
@@ -119,25 +164,82 @@ def tiny_config(model_type: str):
         raise Unbuildable(f"its config rejects the tiny sizes: {type(error).__name__}: {error}") from error
 
 
-def build_tiny(model_type: str) -> torch.nn.Module:
-    """The architecture's causal LM, tiny, eager attention; its routers initialised wide enough that
-    top-k choices do not hang on fp32 rounding (as harness.examples.qwen3moe_hf does)."""
-    from transformers import AutoModelForCausalLM
+def model_class(model_type: str):
+    """What builds the architecture: its causal LM where it has one, else its base model (a text
+    tower of a multimodal model, an encoder: what the plan is written for), by the auto mappings or,
+    for a config no mapping names, the class of its modeling module that declares that config (a
+    causal LM first). Each answers ``_from_config(config, attn_implementation=...)``."""
+    import importlib
 
-    config = tiny_config(model_type)
+    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+    from transformers.modeling_utils import PreTrainedModel
+
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForCausalLM
+    if model_type in MODEL_MAPPING_NAMES:
+        return AutoModel
+    config_class = CONFIG_MAPPING[model_type]
+    try:
+        modeling = importlib.import_module(config_class.__module__.replace(".configuration_", ".modeling_"))
+    except ImportError as error:
+        raise Unbuildable(f"no model class for {config_class.__name__}: {error}") from error
+    declared = [c for c in vars(modeling).values() if isinstance(c, type) and issubclass(c, PreTrainedModel)
+                and getattr(c, "config_class", None) is config_class]
+    declared.sort(key=lambda c: (not c.__name__.endswith("ForCausalLM"), not c.__name__.endswith("Model"), c.__name__))
+    if not declared:
+        raise Unbuildable(f"no auto mapping names {config_class.__name__} and {modeling.__name__} declares no "
+                          "model of it")
+    return declared[0]
+
+
+def forward(model, batch):
+    """The logits of a causal LM; a base model's last hidden state."""
+    out = model(input_ids=batch["input"])
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+def loss(output, batch):
+    """Next-token cross-entropy on logits; on a base model's hidden states (no vocabulary), their
+    mean square: a mean over every token, as one process computes it."""
+    if output.shape[-1] == llama_hf.VOCAB:
+        return llama_hf.loss(output, batch)
+    return output.float().pow(2).mean()
+
+
+def build_tiny(model_type: str) -> torch.nn.Module:
+    """The architecture's causal LM (or base model: :func:`model_class`), tiny, eager attention; its
+    routers initialised wide enough that top-k choices do not hang on fp32 rounding (as
+    harness.examples.qwen3moe_hf does)."""
+    failed = None
+    for layers in ("kinds", "front"):
+        try:
+            return _built(model_type, tiny_config(model_type, layers))
+        except Unbuildable as error:
+            failed = failed or error
+    raise failed
+
+
+def _built(model_type: str, config) -> torch.nn.Module:
+    """:func:`build_tiny` from one tiny config."""
+    made = model_class(model_type)
+    build = made.from_config if made.__name__.startswith("Auto") else made._from_config
     try:
         with torch.device("meta"):  # its size first: a field the shrink missed can ask for gigabytes
-            sized = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+            sized = build(config, attn_implementation="eager")
         count = sum(p.numel() for p in sized.parameters())
         if count > MOST_PARAMETERS:
             raise Unbuildable(f"the generic shrink leaves {count:,} parameters (at most {MOST_PARAMETERS:,}): "
                               "a size field it does not know needs an entry in OVERRIDES")
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        if "input_ids" not in inspect.signature(sized.forward).parameters:
+            raise Unbuildable(f"{type(sized).__name__} takes no token ids (pixels, audio): the zoo feeds token ids")
+        model = build(config, attn_implementation="eager")
     except Unbuildable:
         raise
     except Exception as error:  # noqa: BLE001
         first = (str(error).splitlines() or [""])[0]
-        raise Unbuildable(f"no tiny causal LM: {type(error).__name__}: {first}") from error
+        raise Unbuildable(f"not built by {made.__name__}: {type(error).__name__}: {first}") from error
     random = [f"{n} (p={m.p})" for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
     if random:
         raise Unbuildable(f"draws random numbers in training mode: dropout at {', '.join(random[:3])}")
@@ -153,12 +255,17 @@ def build_tiny(model_type: str) -> torch.nn.Module:
 
 @functools.cache
 def unbuilt(model_type: str) -> str | None:
-    """Why the zoo cannot build ``model_type`` tiny (:class:`Unbuildable`), or None: built once per
-    process, in the parent, before any rank is asked to."""
+    """Why the zoo cannot build ``model_type`` tiny (:class:`Unbuildable`) or run it on one process,
+    or None: built once per process, in the parent, before any rank is asked to."""
     try:
-        build_tiny(model_type)
+        model = build_tiny(model_type)
     except Unbuildable as error:
         return str(error)
+    try:
+        forward(model, llama_hf.batch(0))
+    except Exception as error:  # noqa: BLE001  the shrink's doing, or the architecture's: no plan's
+        first = (str(error).splitlines() or [""])[0]
+        return f"the tiny model does not run on one process: {type(error).__name__}: {first}"
     return None
 
 
@@ -174,6 +281,12 @@ def tp_with(model, meshes, tp_plan: dict[str, str]):
     return llama_hf.distribute(model, meshes, tp_size=meshes.spec.tp, tp_plan=tp_plan)
 
 
+def tp_and_ep(model, meshes):
+    """The TP plan and the EP plan together, the experts over the tensor-parallel ranks."""
+    spec = meshes.spec
+    return llama_hf.distribute(model, meshes, tp_size=spec.tp, ep_size=spec.ep, ep_implementation="all_to_all")
+
+
 def _tp_only(spec):
     used = [d for d in ("pp", "rep", "dp", "cp") if getattr(spec, d) > 1]
     return f"the TP plan here runs on tp meshes only, not {', '.join(used)}" if used else None
@@ -187,8 +300,8 @@ def case(model_type: str) -> ModelCase:
     parallelize = {"tp": llama_hf.tp, "tpauto": pretrained_hf.parallelize}
     supports = {"tp": _tp_only, "tpauto": _tp_only}
     if getattr(config_class, "base_model_ep_plan", None):
-        parallelize["ep"] = qwen3moe_hf.ep
-        supports["ep"] = qwen3moe_hf._ep_fits
+        parallelize |= {"ep": qwen3moe_hf.ep, "tpep": tp_and_ep}
+        supports |= {"ep": qwen3moe_hf._ep_fits, "tpep": _tp_only}
     xfail = {}
     for plan in list(parallelize):
         found = known(model_type, plan)
@@ -198,8 +311,7 @@ def case(model_type: str) -> ModelCase:
                 parallelize["tpfixed"] = functools.partial(tp_with, tp_plan=found.fix)
                 supports["tpfixed"] = _tp_only
     # transformers' default experts kernel, as its users run it: the reference runs it from fp32
-    return ModelCase(build=lambda: build_tiny(model_type), batch=llama_hf.batch, loss=llama_hf.loss,
-                     forward=llama_hf.forward, parallelize=parallelize, supports=supports, xfail=xfail,
+    return ModelCase(build=lambda: build_tiny(model_type), batch=llama_hf.batch, loss=loss, forward=forward, parallelize=parallelize, supports=supports, xfail=xfail,
                      fp32_ops=("_grouped_mm",))
 
 
@@ -209,9 +321,14 @@ def name_of(model_type: str) -> str:
     return "hf" + re.sub(r"[^a-z0-9]", "", model_type.lower())
 
 
-def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = ("tp", "tpauto", "ep")):
+PLANS = ("tp", "tpauto", "ep", "tpep")
+EXPERT_PLANS = ("ep", "tpep")  # cells only for architectures that ship an EP plan
+
+
+def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = PLANS):
     """Register every architecture with a TP plan (``only``: these model types) and return its
-    cells: ``tp`` at tp=2 and tp=4, ``tpauto`` at tp=2, ``ep`` at dp=2 with ep=2."""
+    cells: ``tp`` at tp=2 and tp=4, ``tpauto`` at tp=2, ``ep`` at dp=2 with ep=2, ``tpep`` at tp=2
+    with ep=2 (etp=1)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     out, named = [], {}
@@ -219,7 +336,8 @@ def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = ("tp", "tp
         if name_of(model_type) in named:
             raise ValueError(f"{model_type!r} and {named[name_of(model_type)]!r} both name {name_of(model_type)!r}")
         named[name_of(model_type)] = model_type
-        impls = [p for p in plans if p != "ep" or getattr(CONFIG_MAPPING[model_type], "base_model_ep_plan", None)]
+        experts = bool(getattr(CONFIG_MAPPING[model_type], "base_model_ep_plan", None))
+        impls = [p for p in plans if p not in EXPERT_PLANS or experts]
         if "tp" in plans and any(k.fix for k in KNOWN if k.model_type == model_type):
             impls.append("tpfixed")
         name = name_of(model_type)
@@ -233,4 +351,6 @@ def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = ("tp", "tp
             out += model_cells(name, impls=["tpauto"], meshes=["tp=2"])
         if "ep" in impls:
             out += model_cells(name, impls=["ep"], meshes=["dp=2"], switches={"ep": ["2"]})
+        if "tpep" in impls:
+            out += model_cells(name, impls=["tpep"], meshes=["tp=2"], switches={"ep": ["2"], "etp": ["1"]})
     return out
