@@ -153,6 +153,12 @@ def tiny_config(model_type: str, layers: str = "kinds"):
     beyond = [k for k, v in default.to_dict().items()
               if k.endswith("_token_id") and isinstance(v, int) and v >= SIZES["vocab_size"]]
     sizes |= {k: SIZES["vocab_size"] - 1 - i for i, k in enumerate(beyond)}  # the last ids, one each
+    if "mrope_section" in getattr(config_class, "ignore_keys_at_rope_validation", ()):
+        # multimodal rope: its sections (a default the model holds for full-size heads) split the
+        # rotary half of a head, which the tiny head makes smaller
+        rope = dict(default.to_dict().get("rope_parameters") or {})
+        half = int(sizes.get("head_dim", SIZES["head_dim"]) * rope.get("partial_rotary_factor", 1.0)) // 2
+        sizes["rope_parameters"] = rope | {"mrope_section": [half - 2 * (half // 3)] + [half // 3] * 2}
     if isinstance(default.to_dict().get("layer_types"), list):
         kinds = list(dict.fromkeys(default.layer_types))
         kept = kinds if layers == "kinds" and len(kinds) > 1 else default.layer_types[:SIZES["num_hidden_layers"]]
