@@ -59,7 +59,7 @@ def rows(junit: Path) -> list[dict]:
         else:
             verdict = {"passed": "pass", "skipped": "skip"}.get(status) or \
                 ("red" if record.get("kind") in ("mismatch", "nan") else "skip" if reference else "crash")
-        raised = re.search(r"^\s*ranks? [\d, ]+: (?:raised|died): (?:harness\.model\.tasks\.ModuleError: )?(.+)$",
+        raised = re.search(r"^\s*ranks? [\d, -]+: (?:raised|died): (?:harness\.model\.tasks\.ModuleError: )?(.+)$",
                            text, re.M)
         cause = raised.group(1) if raised else (text.splitlines() or [""])[0]
         why = {"skip": f"its one-process fp64 reference does not run: {cause}" if reference else case.skip_reason,
