@@ -51,5 +51,18 @@ def ep_router_grad_twice(model, meshes):
     return made
 
 
-ROUTERGRAD = dataclasses.replace(qwen3moe_hf.CASE, parallelize={"routergrad": ep_router_grad_twice},
+def tp_ep_router_grad_twice(model, meshes):
+    """The same router bug under transformers' TP and EP plans together, the experts over the
+    tensor-parallel ranks: every rank is given the same tokens."""
+    from harness.examples.llama_hf import distribute
+
+    spec = meshes.spec
+    made = distribute(model, meshes, tp_size=spec.tp, ep_size=spec.ep, ep_implementation="all_to_all")
+    gate = made.model.layers[1].mlp.gate
+    gate.register_forward_hook(lambda module, args, out: (out[0], _GradTwice.apply(out[1]), out[2]))
+    return made
+
+
+ROUTERGRAD = dataclasses.replace(qwen3moe_hf.CASE, parallelize={"routergrad": ep_router_grad_twice,
+                                                                "tproutergrad": tp_ep_router_grad_twice},
                                  supports={})
