@@ -399,7 +399,8 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
                 getattr(finding, role).extend(rows)
                 if role == "outputs":
                     finding.partial = partial_sums(rows, pieces, expected, layout, held_to)
-                    finding.per_rank = per_rank_by_design(rows, ranks, layout, held_to, finding.partial)
+                    if want.key.startswith("fwd"):  # what a module returns; its gradients are judged as they are
+                        finding.per_rank = per_rank_by_design(rows, ranks, layout, held_to, finding.partial)
         except AssemblyError as error:
             finding.note = str(error)
             found.uncompared.append(finding)

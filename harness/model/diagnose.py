@@ -125,25 +125,26 @@ def where_it_starts(found, report, mesh=()) -> Start:
     forward = diverging[0] if diverging else None
     if forward is not None:
         module = _where(forward.key)["module"]
+        named = f"first diverging module: {module_of(forward.key)}"
         if forward.starts_here and forward.partial:
             parent = module.rpartition(".")[0] or "the model"
-            return Start(module, "fwd", f"first diverging module: {module_of(forward.key)}: its inputs still match the "
-                            f"reference, it returns per-rank partial sums over {_dims(forward.partial)}: summed they "
-                            f"match the reference; {parent} uses them unreduced")
+            return Start(module, "fwd", f"{named}: its inputs still match the reference, it returns per-rank partial "
+                                        f"sums over {_dims(forward.partial)}: summed they match the reference; "
+                                        f"{parent} uses them unreduced")
         if forward.starts_here:
-            return Start(module, "fwd", f"first diverging module: {module_of(forward.key)}: its inputs still match the "
-                            "reference, its outputs do not")
-        return Start(module, "fwd", f"first diverging module: {module_of(forward.key)}; what it received already differs: "
-                        "the divergence starts before it, in code no module hook sees (between modules, a hook)")
+            return Start(module, "fwd", f"{named}: its inputs still match the reference, its outputs do not")
+        return Start(module, "fwd", f"{named}; what it received already differs: the divergence starts before it, "
+                                    "in code no module hook sees (between modules, a hook)")
     backward = [f for f in step1 if f.key.startswith("bwd")]
-    if not diverging and backward and any(not r.ok for r in backward[0].inputs):
+    if backward and any(not r.ok for r in backward[0].inputs):
         last = _where(backward[0].key)["module"]
         bad = next(r for r in backward[0].inputs if not r.ok)
         factor = factor_text(bad.norm_ratio, bad.fit_residual, mesh)
-        return Start(None, "", f"first diverging module: none, it starts in the loss (step 1): every judged forward output "
-                      f"matches{_designed(designed)}, the gradient the loss hands back to {last} does not"
-                      + (f" (the reference {factor})" if factor else f" (norm ratio {bad.norm_ratio:.4g})")
-                      + ": the loss function, what it is divided by, or code between the model and it")
+        return Start(None, "", "first diverging module: none, it starts in the loss (step 1): every judged forward "
+                               f"output matches{_designed(designed)}, the gradient the loss hands back to {last} "
+                               "does not"
+                               + (f" (the reference {factor})" if factor else f" (norm ratio {bad.norm_ratio:.4g})")
+                               + ": the loss function, what it is divided by, or code between the model and it")
     for event in backward:
         module = _where(event.key)["module"]
         own = _owned(module, report)
@@ -155,21 +156,22 @@ def where_it_starts(found, report, mesh=()) -> Start:
         dims = {found.partial_results.get(grad_name(f"{module}.{n}")) for n in own}
         if own and not passes_on and len(dims) == 1 and None not in dims:
             dim = dims.pop()
-            return Start(module, "bwd", f"first diverging module: {module} (parameter gradients, step 1), in the backward pass: "
-                            f"the gradient it received {received}, its parameters' gradients ({', '.join(own)}) "
-                            f"are per-rank partial sums over {dim} (summed they match the reference): their "
-                            f"all-reduce over {dim} is missing")
+            return Start(module, "bwd", f"first diverging module: {module} (parameter gradients, step 1), in the "
+                                        f"backward pass: the gradient it received {received}, its parameters' "
+                                        f"gradients ({', '.join(own)}) are per-rank partial sums over {dim} (summed "
+                                        f"they match the reference): their all-reduce over {dim} is missing")
         wrong = " and ".join((["its input gradient"] if passes_on else [])
                              + ([f"its parameters' gradients ({', '.join(own)})"] if own else []))
         head = module_of(event.key) if passes_on else f"{module} (parameter gradients, step 1)"
         forward_text = "every judged forward output matches" + _designed(designed)
-        return Start(module, "bwd", f"first diverging module: {head}, in the backward pass: {forward_text}, the gradient it "
-                        f"received {received}, {wrong} {'do' if own or ' and ' in wrong else 'does'} not")
+        return Start(module, "bwd", f"first diverging module: {head}, in the backward pass: {forward_text}, the "
+                                    f"gradient it received {received}, {wrong} "
+                                    f"{'do' if own or ' and ' in wrong else 'does'} not")
     if not judged:
-        return Start(None, "", "first diverging module: not known: no module's tensors could be placed on the mesh to "
-                      "compare (outputs its styles make per rank, or tensors of no batch layout)")
+        return Start(None, "", "first diverging module: not known: no module's tensors could be placed on the mesh "
+                               "to compare (outputs its styles make per rank, or tensors of no batch layout)")
     return Start(None, "", "first diverging module: none: every judged module's outputs and gradients match the "
-                  "reference, so the divergence is in the gradient reduction, the optimizer step or the loss")
+                           "reference, so the divergence is in the gradient reduction, the optimizer step or the loss")
 
 
 def by_design(finding) -> bool:

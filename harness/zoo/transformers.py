@@ -321,8 +321,8 @@ def case(model_type: str) -> ModelCase:
                 parallelize["tpfixed"] = functools.partial(tp_with, tp_plan=found.fix)
                 supports["tpfixed"] = _tp_only
     # transformers' default experts kernel, as its users run it: the reference runs it from fp32
-    return ModelCase(build=lambda: build_tiny(model_type), batch=llama_hf.batch, loss=loss, forward=forward, parallelize=parallelize, supports=supports, xfail=xfail,
-                     fp32_ops=("_grouped_mm",))
+    return ModelCase(build=lambda: build_tiny(model_type), batch=llama_hf.batch, loss=loss, forward=forward,
+                     parallelize=parallelize, supports=supports, xfail=xfail, fp32_ops=("_grouped_mm",))
 
 
 def name_of(model_type: str) -> str:
