@@ -78,8 +78,9 @@ class Finding:
     note: str = ""  # why it could not be compared
     # output -> the mesh dim over which the ranks hold partial sums of it (summed, they match)
     partial: dict[str, str] = field(default_factory=dict)
-    # diverging outputs that no form recovers and that ranks given the same input hold differently:
-    # per rank by design (an EP router's masked scores), not judged (per_rank_by_design)
+    # diverging tensors, inputs or outputs, that are per rank by design (an EP router's masked
+    # scores, the tokens dispatched to a rank's experts): not judged (per_rank_by_design); a
+    # module's gradient event inherits its forward event's
     per_rank: list[str] = field(default_factory=list)
 
     @property
@@ -88,7 +89,13 @@ class Finding:
 
     @property
     def starts_here(self) -> bool:
-        return all(r.ok for r in self.inputs) and any(not r.ok for r in self.outputs)
+        """Its judged inputs match (those per rank by design are not judged) and an output does not."""
+        return all(r.ok or r.tensor in self.per_rank for r in self.inputs) and any(not r.ok for r in self.outputs)
+
+    @property
+    def by_design(self) -> bool:
+        """It diverges only in tensors that are per rank by design: nothing of it is judged wrong."""
+        return self.diverges and all(r.ok or r.tensor in self.per_rank for r in self.inputs + self.outputs)
 
     def describe(self) -> str:
         bad = [("input", r) for r in self.inputs if not r.ok] + [("output", r) for r in self.outputs if not r.ok]
@@ -237,37 +244,64 @@ def _same(a: Piece, b: Piece, tol) -> bool:
     return bool(((a.tensor.double() - b.tensor.double()).abs() <= tol.allowed(a.tensor)).all())
 
 
-def per_rank_by_design(rows: list[Row], ranks: dict[int, events.Event], layout: MeshLayout, tol,
-                       recovered: dict[str, str]) -> list[str]:
-    """The outputs of a module event (``ranks``: rank -> its event) that fail in every form the
-    ranks' pieces can take (``recovered``: those that match as partial sums) and that two ranks hold
-    differently though they received the same input and hold the same part of the output (equal
-    coordinates on the dims it is placed over): what the module returns is per rank by design, and
-    no reference holds it in that form. A divergence that every such pair of ranks agrees on is
-    judged, whatever hooks the module carries."""
-    out = []
-    for name in dict.fromkeys(r.tensor for r in rows if not r.ok and r.tensor not in recovered):
-        one = tol.get(name) if isinstance(tol, Tolerances) else tol
+def _parts(held: dict[int, Piece], layout: MeshLayout) -> list[list[int]]:
+    """The ranks of ``held`` grouped by the part of a tensor they hold: equal placements and equal
+    coordinates on the mesh dims it is placed over."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for rank, piece in held.items():
+        coords = tuple(layout.coord(rank, d) for d in piece.placements if d in layout.names)
+        groups[(tuple(sorted(piece.placements)), coords)].append(rank)
+    return list(groups.values())
+
+
+def per_rank_by_design(finding: Finding, ranks: dict[int, events.Event], layout: MeshLayout,
+                       tol: dict[str, object]) -> list[str]:
+    """The tensors of a forward event (``ranks``: rank -> its event; ``tol``: role -> tolerance)
+    that fail in every form the ranks' pieces can take (``finding.partial``: the outputs that match
+    as partial sums) and that are per rank by design, so that no reference holds them in that form:
+
+    * an input that two ranks holding the same part of it hold differently, or that some ranks
+      recording the event hold in a shape no layout of the reference's explains: what the caller
+      hands each rank (the tokens an EP plan dispatches to a rank's experts);
+    * an output that two ranks given the same input hold differently for the same part of it (an
+      EP router's masked scores), and every failing output of a module whose input is per rank.
+
+    A divergence that every such pair of ranks agrees on is judged, whatever hooks the module carries."""
+
+    def one(role: str, name: str):
+        held_to = tol[role]
+        return held_to.get(name) if isinstance(held_to, Tolerances) else held_to
+
+    def failing(rows: list[Row]) -> list[str]:
+        return list(dict.fromkeys(r.tensor for r in rows if not r.ok and r.tensor not in finding.partial))
+
+    inputs = []
+    for name in failing(finding.inputs):
+        held = {rank: e.inputs[name] for rank, e in ranks.items() if name in e.inputs}
+        if len(held) < len(ranks) or any(not _same(held[group[0]], held[r], one("inputs", name))
+                                         for group in _parts(held, layout) for r in group[1:]):
+            inputs.append(name)
+    if inputs:
+        return inputs + failing(finding.outputs)
+    outputs = []
+    for name in failing(finding.outputs):
         held = {rank: e.outputs[name] for rank, e in ranks.items() if name in e.outputs}
-        groups: dict[tuple, list[int]] = defaultdict(list)
-        for rank, piece in held.items():
-            coords = tuple(layout.coord(rank, d) for d in piece.placements if d in layout.names)
-            groups[(tuple(sorted(piece.placements)), coords)].append(rank)
-        for group in groups.values():
+        for group in _parts(held, layout):
             same_input = [[group[0]]]  # ranks of the group, by the input they received
             for rank in group[1:]:
                 given = ranks[rank].inputs.get("input")
                 for kept in same_input:
                     other = ranks[kept[0]].inputs.get("input")
-                    if (given is None) == (other is None) and (given is None or _same(given, other, one)):
+                    if (given is None) == (other is None) and (
+                            given is None or _same(given, other, one("inputs", "input"))):
                         kept.append(rank)
                         break
                 else:
                     same_input.append([rank])
-            if any(not _same(held[kept[0]], held[r], one) for kept in same_input for r in kept[1:]):
-                out.append(name)
+            if any(not _same(held[kept[0]], held[r], one("outputs", name)) for kept in same_input for r in kept[1:]):
+                outputs.append(name)
                 break
-    return out
+    return outputs
 
 
 def scaled(rows: list[Row], mesh) -> dict[str, str]:
@@ -377,12 +411,14 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
     found = Localisation(len(reference), len(parallel), result_ok=result_ok,
                          errors={r: got["error"] for r, got in per_rank.items() if got["error"]},
                          partial_results=partial_results, scaled_results=scaled_results, report=report)
+    designed: dict[str, list[str]] = {}  # forward event -> its tensors per rank by design
     for want in reference:
         ranks = parallel.get(want.key)
         if not ranks:
             found.unrecorded.append(want.key)
             continue
         finding = Finding(want.key)
+        held_to: dict[str, object] = {}  # role -> the tolerance its tensors are held to
         if complete:
             found.findings.append(finding)
         try:
@@ -394,13 +430,15 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
                           for n in expected}
                 pieces = {n: held for n, held in pieces.items() if held}
                 got = {n: assemble(f"{want.key} {n}", held, layout, every_rank=False) for n, held in pieces.items()}
-                held_to = _event_tolerance(tol, want, calibrated, role)
-                rows = compare(got, {n: expected[n] for n in got}, held_to).rows
+                held_to[role] = _event_tolerance(tol, want, calibrated, role)
+                rows = compare(got, {n: expected[n] for n in got}, held_to[role]).rows
                 getattr(finding, role).extend(rows)
                 if role == "outputs":
-                    finding.partial = partial_sums(rows, pieces, expected, layout, held_to)
-                    if want.key.startswith("fwd"):  # what a module returns; its gradients are judged as they are
-                        finding.per_rank = per_rank_by_design(rows, ranks, layout, held_to, finding.partial)
+                    finding.partial = partial_sums(rows, pieces, expected, layout, held_to[role])
+            if want.key.startswith("fwd"):
+                finding.per_rank = designed[want.key] = per_rank_by_design(finding, ranks, layout, held_to)
+            else:  # the gradients of what is per rank by design are per rank alike
+                finding.per_rank = designed.get("fwd" + want.key.removeprefix("bwd"), [])
         except AssemblyError as error:
             finding.note = str(error)
             found.uncompared.append(finding)
@@ -410,11 +448,12 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
             found.uncompared.append(finding)
             continue
         found.compared += 1
-        if finding.diverges and found.first_diverging is None:
+        wrong = finding.diverges and not finding.by_design
+        if wrong and found.first_diverging is None:
             found.first_diverging = finding
         elif found.first_diverging is None:
             found.last_matching = finding.key
-        if finding.starts_here and found.origin is None:
+        if wrong and finding.starts_here and found.origin is None:
             found.origin = finding
         if found.origin is not None and not complete:
             break

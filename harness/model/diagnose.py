@@ -115,13 +115,13 @@ def where_it_starts(found, report, mesh=()) -> Start:
     when the gradient it hands back to the model already differs (with the group whose size scales
     it, of ``mesh``), else in the backward pass, the first module (in the order backward reaches
     them) whose input gradient or own parameters' gradients (the cell's comparison) diverge. Events
-    with nothing placed, and outputs per rank by design (:func:`by_design`), are not judged; a module
+    with nothing placed, and tensors per rank by design (``Finding.by_design``), are not judged; a module
     is judged by its numbers whatever hooks ``parallelize`` put on it."""
     step1 = [f for f in found.findings if _where(f.key).get("step") == "1"]
     judged = [f for f in step1 if f.inputs or f.outputs]
     forwards = [f for f in judged if f.key.startswith("fwd") and f.diverges]
-    designed = [f for f in forwards if by_design(f)]
-    diverging = [f for f in forwards if not by_design(f)]
+    designed = [f for f in forwards if f.by_design]
+    diverging = [f for f in forwards if not f.by_design]
     forward = diverging[0] if diverging else None
     if forward is not None:
         module = _where(forward.key)["module"]
@@ -136,9 +136,9 @@ def where_it_starts(found, report, mesh=()) -> Start:
         return Start(module, "fwd", f"{named}; what it received already differs: the divergence starts before it, "
                                     "in code no module hook sees (between modules, a hook)")
     backward = [f for f in step1 if f.key.startswith("bwd")]
-    if backward and any(not r.ok for r in backward[0].inputs):
+    if backward and _wrong(backward[0].inputs, backward[0]):
         last = _where(backward[0].key)["module"]
-        bad = next(r for r in backward[0].inputs if not r.ok)
+        bad = _wrong(backward[0].inputs, backward[0])[0]
         factor = factor_text(bad.norm_ratio, bad.fit_residual, mesh)
         return Start(None, "", "first diverging module: none, it starts in the loss (step 1): every judged forward "
                                f"output matches{_designed(designed)}, the gradient the loss hands back to {last} "
@@ -148,11 +148,12 @@ def where_it_starts(found, report, mesh=()) -> Start:
     for event in backward:
         module = _where(event.key)["module"]
         own = _owned(module, report)
-        passes_on = any(not r.ok for r in event.outputs)
+        passes_on = bool(_wrong(event.outputs, event))
         if not (own or passes_on):
             continue
-        received = ("is not compared" if not event.inputs else
-                    "still matches" if all(r.ok for r in event.inputs) else "already differs")
+        judged_in = [r for r in event.inputs if r.tensor not in event.per_rank]
+        received = ("is not compared" if not event.inputs else "is per rank by design" if not judged_in else
+                    "already differs" if _wrong(judged_in, event) else "still matches")
         dims = {found.partial_results.get(grad_name(f"{module}.{n}")) for n in own}
         if own and not passes_on and len(dims) == 1 and None not in dims:
             dim = dims.pop()
@@ -174,23 +175,24 @@ def where_it_starts(found, report, mesh=()) -> Start:
                            "reference, so the divergence is in the gradient reduction, the optimizer step or the loss")
 
 
-def by_design(finding) -> bool:
-    """Whether a forward event diverges only in outputs that are per rank by design (its inputs
-    match; each failing output is one that ranks given the same input hold differently and that no
-    form recovers: :func:`harness.bisect.localise.per_rank_by_design`). Such outputs are not judged."""
-    failing = {r.tensor for r in finding.outputs if not r.ok}
-    return finding.starts_here and bool(failing) and failing <= set(finding.per_rank)
-
-
 def _designed(designed: list, most: int = 2) -> str:
-    """`` (what X returns is per rank by design ...)`` for the forward events :func:`by_design` left
-    unjudged; "" for none."""
-    modules = list(dict.fromkeys(_where(f.key).get("module", "?") for f in designed))
-    if not modules:
-        return ""
-    named = ", ".join(modules[:most]) + (f" and {len(modules) - most} more" if len(modules) > most else "")
-    return (f" (what {named} {'returns' if len(modules) == 1 else 'return'} is per rank by design: ranks given "
-            "the same input hold it differently; not judged)")
+    """`` (what X returns is per rank by design ...)`` for the forward events left unjudged
+    (``Finding.by_design``): ``receives`` where what the module is handed is per rank (and so what it
+    returns), ``returns`` where only its output is; "" for none."""
+    parts = []
+    for verb, given in (("receives", "holding the same part"), ("returns", "given the same input")):
+        modules = list(dict.fromkeys(_where(f.key).get("module", "?") for f in designed
+                                     if any(r.tensor in f.per_rank for r in f.inputs) == (verb == "receives")))
+        if modules:
+            named = ", ".join(modules[:most]) + (f" and {len(modules) - most} more" if len(modules) > most else "")
+            parts.append(f"what {named} {verb if len(modules) == 1 else verb.removesuffix('s')} is per rank by "
+                         f"design: ranks {given} hold it differently")
+    return f" ({'; '.join(parts)}; not judged)" if parts else ""
+
+
+def _wrong(rows: list, finding) -> list:
+    """The rows of ``finding`` that fail and are judged (not per rank by design)."""
+    return [r for r in rows if not r.ok and r.tensor not in finding.per_rank]
 
 
 def _dims(partial: dict[str, str]) -> str:
