@@ -19,6 +19,9 @@ dim        what its ranks split                                torchtitan      M
 ``fsdp``   dp·cp: the ranks that shard parameters              ``dp_shard_cp``
 =========  ==================================================  ==============  ========
 
+A ``parallelize`` written against another trainer's names asks for them (``ModelCase.mesh_names``:
+:func:`mesh_names`); ids, placements and messages keep these.
+
 Dense dims are laid out slowest first in :data:`DENSE` order; the sparse (expert) mesh in
 :data:`SPARSE` order over the same ranks. A component's own cells may name other dims (``w``,
 ``shard``): those are its own, declared in its ``Space``.
@@ -43,6 +46,41 @@ GROUPS = DENSE + tuple(FLATTENED) + ("efsdp", "ep", "etp")
 DEGREES = ("pp", "rep", "dp", "cp", "tp", "ep", "etp")
 # other trainers' names for ours, for the messages that say which one is meant
 ELSEWHERE = {"dp_replicate": "rep", "dp_shard": "dp", "dp_shard_cp": "fsdp", "dp_cp": "loss"}
+
+
+# torchtitan's names for the groups whose names differ (``ParallelDims``); the rest are alike
+TORCHTITAN = {"rep": "dp_replicate", "dp": "dp_shard", "batch": "dp", "fsdp": "dp_shard_cp", "loss": "dp_cp"}
+
+
+def mesh_names(given: "str | dict[str, str] | None") -> dict[str, str]:
+    """The names a case's ``parallelize`` sees the meshes' dims and groups by (``ModelCase.mesh_names``):
+    ours -> its, for those that differ. ``"torchtitan"`` is :data:`TORCHTITAN`; a mapping names its
+    own (``{"dp": "shard"}``); None: ours. Raises ValueError naming what is wrong and the fix."""
+    if given is None:
+        return {}
+    if isinstance(given, str):
+        if given != "torchtitan":
+            raise ValueError(f"ModelCase.mesh_names={given!r}: give 'torchtitan', or a mapping from the "
+                             f"harness's names ({', '.join(GROUPS)}) to yours, such as {{'dp': 'shard'}}")
+        return dict(TORCHTITAN)
+    if not hasattr(given, "items"):
+        raise ValueError(f"ModelCase.mesh_names={given!r}: give 'torchtitan', or a mapping such as {{'dp': 'shard'}}")
+    out = {}
+    for ours, theirs in given.items():
+        if ours not in GROUPS:
+            raise ValueError(f"ModelCase.mesh_names: {unknown_dim(ours, GROUPS)}; its keys are the harness's "
+                             "names, its values yours")
+        if not (isinstance(theirs, str) and theirs.isidentifier()):
+            raise ValueError(f"ModelCase.mesh_names[{ours!r}] = {theirs!r}: a mesh dim's name is a word "
+                             "(letters, digits, underscores)")
+        if theirs != ours:
+            out[ours] = theirs
+    shown = [out.get(n, n) for n in GROUPS] + ["world", "copy"]  # the latter two: the meshes' roots
+    twice = sorted({n for n in shown if shown.count(n) > 1})
+    if twice:
+        raise ValueError(f"ModelCase.mesh_names: {', '.join(map(repr, twice))} would name two groups; rename "
+                         f"the harness's group of that name too (its groups: {', '.join(GROUPS)})")
+    return out
 
 
 def unknown_dim(name: str, known) -> str:

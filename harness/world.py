@@ -19,6 +19,8 @@ import os
 import re
 from datetime import timedelta
 
+from .names import GROUPS, TORCHTITAN
+
 # what torchrun sets for every worker, set for every rank of a cell's world
 ENVIRONMENT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -197,6 +199,14 @@ def explained(error: BaseException, size: int) -> str | None:
         if "Mesh should not be bigger than default world size" in text:
             return (f"the cell's code built a device mesh{where} larger than its world of {size} ranks ({text}); "
                     "build it from dist.get_world_size(), its shape multiplying to the world")
+        asked = re.search(r"Invalid mesh_dim_names \((.*?)\) specified", text)
+        if isinstance(cause, KeyError) and asked:
+            names = re.findall(r"'(\w+)'", asked.group(1))
+            titan = [n for n in names if n in TORCHTITAN.values() and n not in GROUPS]
+            fix = ("ModelCase(mesh_names='torchtitan') hands them over with torchtitan's names" if titan else
+                   "ModelCase(mesh_names={...}) hands them over with names of your own")
+            return (f"the cell's code asked a mesh for {', '.join(names)}{where}, which it does not name ({text.strip(chr(34))}); "
+                    f"the harness names the dims {', '.join(GROUPS)} (harness.names): {fix} (docs/models.md)")
         if isinstance(cause, KeyError) and cause.args and isinstance(cause.args[0], str) \
                 and cause.__traceback__ is not None and _raised_by_environ(cause):
             return (f"the cell's code read the environment variable {cause.args[0]}{where}, which this cell's "

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from ..config import ConfigError
 from ..layout import MeshLayout
@@ -160,23 +160,56 @@ def _model_groups(spec: MeshSpec, name: str) -> tuple[tuple[tuple[int, ...], ...
 # ---- the real meshes ------------------------------------------------------------------------------
 @dataclass
 class Meshes:
-    """The real meshes of one :class:`MeshSpec` on this rank."""
+    """The real meshes of one :class:`MeshSpec` on this rank. ``names``: the dims and groups whose
+    names differ from the harness's (ours -> shown), for a case that asks for its trainer's
+    (``ModelCase.mesh_names``): ``dense``, ``sparse`` and :meth:`mesh` then use those."""
 
     spec: MeshSpec
     world: "object"  # the 1-D root mesh both are cut from
     dense: "object"
     sparse: "object"
     flat: dict
+    names: dict = field(default_factory=dict)
 
     def mesh(self, name: str):
         """The 1-D mesh of the named group ``name`` (pp and rep from the dense mesh)."""
-        if name in FLATTENED:
-            return self.flat[name]
-        if name in DENSE:
-            return self.dense[name]
-        if name in SPARSE:
-            return self.sparse[name]
-        raise ConfigError(unknown_dim(name, GROUPS))
+        ours = self.ours(name)
+        shown = self.names.get(ours, ours)
+        if ours in FLATTENED:
+            return self.flat[ours]
+        if ours in DENSE:
+            return self.dense[shown]
+        if ours in SPARSE:
+            return self.sparse[shown]
+        raise ConfigError(unknown_dim(name, [self.names.get(n, n) for n in GROUPS]))
+
+    def ours(self, name: str) -> str:
+        """The harness's name of the group shown as ``name``."""
+        for ours, shown in self.names.items():
+            if shown == name:
+                return ours
+        if name in self.names:  # ours, renamed away: the name may mean another group here
+            raise ConfigError(f"mesh dim {name!r} is {self.names[name]!r} on this case's meshes "
+                              "(ModelCase.mesh_names)")
+        return name
+
+    def renamed(self, names: dict[str, str]) -> "Meshes":
+        """The same groups over the same ranks, their dims named ``names`` (ours -> shown;
+        :func:`harness.names.mesh_names`). ``dense`` is then a root mesh, as a trainer's own
+        ``init_device_mesh`` makes it, so its flattened groups slice from it by name
+        (``dense["dp_shard_cp"]``; on one copy of the layout: with copies, use :meth:`mesh`).
+        Collective over the world, as :func:`build` is."""
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not names:
+            return self
+        copies = self.world.size() // self.spec.world
+        lead, size = (("copy",), (copies,)) if copies > 1 else ((), ())
+        shape = size + tuple(getattr(self.spec, n) for n in DENSE)
+        root = DeviceMesh(self.world.device_type, torch.arange(self.world.size()).view(shape),
+                          mesh_dim_names=lead + tuple(names.get(d, d) for d in DENSE))
+        return _cut(self.spec, root._flatten("world"), names, root)
 
     def group(self, name: str):
         """This rank's process group for the named group ``name``."""
@@ -189,9 +222,9 @@ class Meshes:
 
         if self.dense.get_coordinate() is None:
             return None
-        groups = {name: dist.get_process_group_ranks(self.group(name)) for name in GROUPS}
+        groups = {name: dist.get_process_group_ranks(self.group(self.names.get(name, name))) for name in GROUPS}
         # the sparse mesh's own pp/rep groups, to check they are the dense ones
-        groups.update({f"sparse.{n}": dist.get_process_group_ranks(self.sparse.get_group(n))
+        groups.update({f"sparse.{n}": dist.get_process_group_ranks(self.sparse.get_group(self.names.get(n, n)))
                        for n in ("pp", "rep")})
         return {"dense": tuple(self.dense.get_coordinate()), "sparse": tuple(self.sparse.get_coordinate()),
                 "groups": groups}
@@ -203,7 +236,7 @@ class Meshes:
 
         out = {}
         for name in GROUPS:
-            mesh = self.mesh(name)
+            mesh = self.mesh(self.names.get(name, name))
             # what DeviceMesh._get_all_submeshes and the group creation enumerate, without building a
             # DeviceMesh per group (which costs a second per 1024-rank layout)
             out[name] = _MeshLayout([mesh._layout[0]]).remap_to_tensor(mesh._get_root_mesh()._rank_map).tolist()
@@ -227,15 +260,28 @@ def build(spec: MeshSpec, device_type: str = "cpu", copies: int = 1) -> Meshes:
     from torch.distributed.device_mesh import DeviceMesh
 
     spec.validate()
+    world = DeviceMesh(device_type, torch.arange(copies * spec.world), mesh_dim_names=("world",))
+    return _cut(spec, world, {})
+
+
+def _cut(spec: MeshSpec, world, names: dict[str, str], dense=None) -> Meshes:
+    """The dense, sparse and flattened meshes of ``spec`` cut from the 1-D ``world`` (``spec.world``
+    ranks, or side-by-side copies of them), each dim and group named ``names.get(ours, ours)``;
+    ``dense``: the dense mesh, where it is made already (the root ``world`` is flattened from)."""
+
+    def shown(dims):
+        return tuple(names.get(d, d) for d in dims)
+
+    copies = world.size() // spec.world
     lead = ("copy",) if copies > 1 else ()
     size = (copies,) if copies > 1 else ()
-    world = DeviceMesh(device_type, torch.arange(copies * spec.world), mesh_dim_names=("world",))
-    dense = world._unflatten(0, size + tuple(getattr(spec, n) for n in DENSE), lead + DENSE)
-    flat = {name: dense[dims]._flatten(name) for name, dims in FLATTENED.items()}
-    sparse = world._unflatten(0, size + (spec.pp, spec.rep, spec.efsdp, spec.ep, spec.etp), lead + SPARSE)
+    if dense is None:
+        dense = world._unflatten(0, size + tuple(getattr(spec, n) for n in DENSE), lead + shown(DENSE))
+    flat = {name: dense[shown(dims)]._flatten(names.get(name, name)) for name, dims in FLATTENED.items()}
+    sparse = world._unflatten(0, size + (spec.pp, spec.rep, spec.efsdp, spec.ep, spec.etp), lead + shown(SPARSE))
     if copies > 1:  # the meshes of this rank's copy
-        dense, sparse = dense[DENSE], sparse[SPARSE]
-    return Meshes(spec, world, dense, sparse, flat)
+        dense, sparse = dense[shown(DENSE)], sparse[shown(SPARSE)]
+    return Meshes(spec, world, dense, sparse, flat, dict(names))
 
 
 # ---- pool task ----------------------------------------------------------------------------------

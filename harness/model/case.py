@@ -13,6 +13,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from ..names import mesh_names
+
 # Applied to every parameter by the default optimizer. eps is large on purpose: with eps=1e-8 the
 # first AdamW step is lr*sign(g), so rounding noise in a near-zero gradient would move a parameter by
 # a full lr in one run and not in the other. lr is a model's usual order (a component's probe
@@ -115,6 +117,11 @@ class ModelCase:
       outputs back to fp64), for kernels with no fp64 implementation on the device, e.g.
       ``("_grouped_mm",)`` for transformers' grouped_mm experts. What such a reference certifies:
       :mod:`harness.compare.tolerance`.
+    * ``mesh_names``: the names ``parallelize`` sees the meshes' dims and groups by, when it is
+      written against another trainer's: ``"torchtitan"`` (``dp_replicate``, ``dp_shard``, ``cp``,
+      ``tp``, ``pp``, ``ep``, flattened ``dp``, ``dp_shard_cp``, ``dp_cp``), or a mapping from the
+      harness's names to yours (``{"dp": "shard"}``; :func:`harness.names.mesh_names`). The groups and
+      ranks are the same; ids, ``placements`` and messages keep the harness's names.
     """
 
     build: Callable[[], nn.Module]
@@ -132,6 +139,7 @@ class ModelCase:
     xfail: dict[str, Callable[[Any], str | None]] = field(default_factory=dict)
     switches: dict[str, tuple[str, ...]] = field(default_factory=dict)
     fp32_ops: tuple[str, ...] = ()
+    mesh_names: str | dict[str, str] | None = None
 
     def __post_init__(self):
         if not self.parallelize:
@@ -153,5 +161,6 @@ class ModelCase:
             if isinstance(values, str) or not values or not all(re.fullmatch(r"[a-zA-Z0-9]+", v) for v in values):
                 raise ValueError(f"ModelCase.switches[{name!r}] = {values!r}: give a tuple of values of letters "
                                  "and digits, the default first, e.g. ('eager', 'batched')")
+        mesh_names(self.mesh_names)  # raises on a bad value, naming the fix
         if isinstance(self.fp32_ops, str):
             raise ValueError(f"ModelCase.fp32_ops={self.fp32_ops!r}: give a tuple of op names, e.g. ('_grouped_mm',)")

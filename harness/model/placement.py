@@ -74,12 +74,19 @@ def declared_placements(name: str, patterns: dict[str, dict], degrees: dict[str,
     return {}
 
 
+def dim_names(tensor: DTensor, ours: dict[str, str]) -> tuple[str, ...]:
+    """The dims of a DTensor's mesh by the harness's names (``ours``: a case's own name -> ours,
+    ``ModelCase.mesh_names``)."""
+    return tuple(ours.get(n, n) for n in tensor.device_mesh.mesh_dim_names or ())
+
+
 def piece_of(tensor: torch.Tensor, degrees: dict[str, int], plain: dict[str, Shard] | None = None,
-             *, gather: bool = True) -> Piece | None:
+             *, gather: bool = True, ours: dict[str, str] | None = None) -> Piece | None:
     """``tensor`` as this rank's Piece. ``plain``: the placements of a plain tensor. ``gather``:
-    whether an undescribable DTensor may be gathered (a collective); else None is returned."""
+    whether an undescribable DTensor may be gathered (a collective); else None is returned.
+    ``ours``: the case's own mesh dim names -> the harness's, where they differ."""
     if isinstance(tensor, DTensor):
-        placements = placements_of(tensor.device_mesh.mesh_dim_names or (), tensor.placements, degrees)
+        placements = placements_of(dim_names(tensor, ours or {}), tensor.placements, degrees)
         if placements is None:
             if not gather:
                 return None
@@ -117,15 +124,15 @@ def plain_activation(tensor: torch.Tensor, degrees: dict[str, int], batch: dict[
 
 
 def activation(tensor: torch.Tensor, degrees: dict[str, int], batch: dict[str, Shard],
-               logical: tuple[int, ...] | None = None) -> Piece | None:
+               logical: tuple[int, ...] | None = None, ours: dict[str, str] | None = None) -> Piece | None:
     """An activation's piece: its DTensor placements (if any) plus the batch dims its mesh does not
     name (a tensor-parallel activation is still this rank's rows of the batch)."""
     if not isinstance(tensor, DTensor):
         return plain_activation(tensor, degrees, batch, logical)
-    piece = piece_of(tensor, degrees, gather=False)
+    piece = piece_of(tensor, degrees, gather=False, ours=ours)
     if piece is None:
         return None
-    named = set(tensor.device_mesh.mesh_dim_names or ())
+    named = set(dim_names(tensor, ours or {}))
     shape = list(piece.shape)
     for dim, shard in batch.items():
         if dim not in named and dim not in piece.placements:

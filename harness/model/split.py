@@ -54,9 +54,10 @@ class Watched(Meshes):
 class Notes:
     """The dims something was split over on this rank (``split``)."""
 
-    def __init__(self, cfg, case, degrees: dict[str, int]):
+    def __init__(self, cfg, case, degrees: dict[str, int], ours: dict[str, str] | None = None):
         self.layout = MeshLayout.of(cfg.mesh)
         self.case, self.degrees = case, degrees
+        self.ours = ours or {}  # the case's own mesh dim names -> ours (ModelCase.mesh_names)
         self.split: set[str] = {d for d in BY_THE_HARNESS if degrees.get(d, 1) > 1}
         self._spans: dict[tuple[int, int], set[str]] = {}
         self._hook = None
@@ -80,7 +81,7 @@ class Notes:
             # FSDP2 shards a tensor TP already cut with _StridedShard, which is not a Shard
             if not isinstance(placement, DShard) and type(placement).__name__ != "_StridedShard":
                 continue
-            if i < len(names) and names[i] == "ep":
+            if i < len(names) and self.ours.get(names[i], names[i]) == "ep":
                 self.split.add("ep")
             self.split |= self.dims_of(mesh, i)
 

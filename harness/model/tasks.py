@@ -100,7 +100,7 @@ def _recorder(trainer: OnRank, case: ModelCase, cfg: Config) -> Recorder:
 
     # a pipeline's modules run once per microbatch: the recorder joins a step's calls in their order
     return Recorder(trainer.modules, lambda t, module, name: activation(
-        t, trainer.degrees, batch_dims, shapes.get((module, name))), grad_scale=1.0 / (s.rep * s.dp * s.cp),
+        t, trainer.degrees, batch_dims, shapes.get((module, name)), trainer.ours), grad_scale=1.0 / (s.rep * s.dp * s.cp),
         microbatches=trainer.pipelined is not None)
 
 
@@ -111,7 +111,7 @@ def placed(trainer: OnRank, tensors: dict[str, torch.Tensor]) -> dict[str, Piece
     for name, tensor in tensors.items():
         plain = None if isinstance(tensor, DTensor) else \
             declared_placements(parse(name).param, trainer.case.placements, trainer.degrees)
-        local[name] = piece_of(tensor, trainer.degrees, plain)
+        local[name] = piece_of(tensor, trainer.degrees, plain, ours=trainer.ours)
     return _over_stages(trainer, local) if trainer.spec.pp > 1 else local
 
 

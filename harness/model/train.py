@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from ..compare.tolerance import TORCH_DTYPE
 from ..config import Config
 from ..context import RankContext
-from ..names import grad_name, loss_name, param_name, state_name
+from ..names import grad_name, loss_name, mesh_names, param_name, state_name
 from ..world import check_mesh_covers
 from .batches import as_dtype, batch_dtype, global_batch, local_batch, start_model
 from .case import ModelCase, Pipelined
@@ -176,7 +176,9 @@ class OnRank(Trainer):
         self.degrees = dict(cfg.mesh)
         model = start_model(case, cfg).to(ctx.device)
         self.alias = aliases(model)
-        watched = Watched(self.meshes)
+        names = mesh_names(case.mesh_names)  # the names parallelize sees (ours -> its)
+        self.ours = {theirs: ours for ours, theirs in names.items()}
+        watched = Watched(self.meshes.renamed(names))
         made = case.parallelize[cfg.impl](model, watched)
         self.pipelined = made if isinstance(made, Pipelined) else None
         if self.pipelined is None and not isinstance(made, nn.Module):
@@ -190,7 +192,7 @@ class OnRank(Trainer):
 
     def _notes(self, watched: Watched) -> Notes:
         """What split each dim here (:mod:`harness.model.split`)."""
-        notes = Notes(self.cfg, self.case, degrees_of(self.spec))
+        notes = Notes(self.cfg, self.case, degrees_of(self.spec), self.ours)
         if self.pipelined is not None:
             notes.split.add("pp")
         if watched.reached:

@@ -1,0 +1,99 @@
+"""A ``parallelize`` written against torchtitan's mesh names, unchanged, from a user's own project
+(a temporary directory, pytest in a subprocess): with ``ModelCase(mesh_names="torchtitan")`` it gets
+meshes named as torchtitan names them (``dp_replicate``, ``dp_shard``, flattened ``dp_shard_cp``)
+over the same ranks, and its cells pass; without it, the cell says in one line which name it asked
+for and how to keep it; and a planted bug in the same function (FSDP over ``dp_replicate`` instead of
+``dp_shard_cp``: on ``dp=2`` nothing reduces the gradients) is red."""
+import subprocess
+import sys
+import textwrap
+
+from tests.conftest import flat
+from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
+
+MODEL = textwrap.dedent('''\
+    import dataclasses
+
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from harness.model import ModelCase
+
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(16, 32)
+            self.down = nn.Linear(32, 16)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)))
+
+
+    def batch(step):
+        g = torch.Generator().manual_seed(step)
+        return {"input": torch.randn(8, 16, generator=g), "target": torch.randn(8, 16, generator=g)}
+
+
+    def loss(out, batch):
+        return ((out - batch["target"]) ** 2).mean()
+
+
+    def parallelize(model, meshes, shard="dp_shard_cp"):
+        world_mesh = meshes.dense  # as torchtitan's parallelize_llama reads its world mesh
+        if world_mesh["tp"].size() > 1:
+            parallelize_module(model, world_mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        dp_mesh_dim_names = ("dp_replicate", shard) if world_mesh["dp_replicate"].size() > 1 else (shard,)
+        if world_mesh[dp_mesh_dim_names].size() > 1:
+            fully_shard(model, mesh=world_mesh[dp_mesh_dim_names])
+        return model
+
+
+    def fsdp_over_replicate(model, meshes):
+        return parallelize(model, meshes, shard="dp_replicate")
+
+
+    CASE = ModelCase(build=MLP, batch=batch, loss=loss, mesh_names="torchtitan",
+                     parallelize={"titan": parallelize, "fsdpbug": fsdp_over_replicate})
+    OURS = dataclasses.replace(CASE, mesh_names=None)
+    ''')
+CONFTEST = textwrap.dedent('''\
+    from harness.model import register_model
+
+    register_model("mlp", "mymodel:CASE")
+    register_model("mlpours", "mymodel:OURS")
+    ''')
+TEST = textwrap.dedent('''\
+    import pytest
+
+    from harness.model import model_cells
+
+    CELLS = (model_cells("mlp", impls=["titan"], meshes=["dp=2", "rep=2,dp=2", "dp=2,tp=2", "tp=2"])
+             + model_cells("mlp", impls=["fsdpbug"], meshes=["dp=2"])
+             + model_cells("mlpours", impls=["titan"], meshes=["dp=2"]))
+
+
+    @pytest.mark.parametrize("cfg", CELLS, ids=str)
+    def test_mlp(cfg, parity):
+        parity(cfg)
+    ''')
+
+
+def test_a_torchtitan_named_parallelize_runs_unchanged(tmp_path):
+    for name, text in (("mymodel.py", MODEL), ("conftest.py", CONFTEST), ("test_mlp.py", TEST),
+                       ("pytest.ini", "[pytest]\n")):
+        (tmp_path / name).write_text(text)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--case-deadline", "120"],
+                          cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=600)
+    out = done.stdout
+    assert done.returncode == 1 and "2 failed, 4 passed" in out, out[-5000:] + done.stderr[-2000:]
+    for mesh in ("dp2", "rep2.dp2", "dp2.tp2", "tp2"):
+        assert f"PASSED test_mlp.py::test_mlp[mlp-titan-{mesh}-" not in out  # -q: only failures are named
+        assert f"test_mlp[mlp-titan-{mesh}-" not in out.split("short test summary")[1]
+    bug = flat(out.split("test_mlp[mlp-fsdpbug-dp2")[1])
+    assert "diverges from the reference" in bug and "replicas" in bug, bug[:3000]
+    ours = flat(out.split("test_mlp[mlpours-titan-dp2")[1])
+    assert ("the cell's code asked a mesh for dp_replicate (at mymodel.py:") in ours, ours[:3000]
+    assert "ModelCase(mesh_names='torchtitan') hands them over with torchtitan's names" in ours
