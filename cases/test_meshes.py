@@ -80,6 +80,21 @@ def test_every_named_group_of_every_rank_matches_the_model(text, rank_pool):
     assert not errors, "\n".join(errors[:20])
 
 
+RENAMED = ("world=4,rep=2,dp=2", "world=4,dp=2,cp=2", "world=4,dp=2,tp=2,ep=2", "world=4,pp=2,tp=2")
+
+
+def test_meshes_renamed_to_torchtitans_names_hold_the_same_ranks(rank_pool):
+    """ModelCase(mesh_names="torchtitan"): every named group, by torchtitan's name, is ours."""
+    if rank_pool.size < 4:
+        pytest.skip("these layouts take 4 ranks")
+    seen = rank_pool.run("harness.meshes.device_mesh:renamed_groups", list(RENAMED), (("world", 4),))
+    assert sorted(seen) == [0, 1, 2, 3]
+    for rank, by_layout in seen.items():
+        for text, got in by_layout.items():
+            assert got["torchtitan"] == got["ours"], (rank, text)
+            assert got["dense"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
+
+
 # ---- the hand-written map of the 3D implementation ---------------------------------------------------
 # As the 3D implementation this project started from wrote it for 8 ranks, claiming (dp, pp, tp) = (2, 2, 2).
 COMM_MAP = {

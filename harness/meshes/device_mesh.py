@@ -316,3 +316,27 @@ def describe_layouts(ctx, payload: list[str]) -> dict:
         for pg in [pg for pg in _world.pg_map if pg not in before]:
             dist.destroy_process_group(pg)
     return out
+
+
+def renamed_groups(ctx, payload: list[str]) -> dict:
+    """Pool task: for each layout of ``payload`` (spec ids whose world is the pool's), this rank's
+    group of every named group, as :func:`build` makes it and as :meth:`Meshes.renamed` to
+    torchtitan's names makes it (by our names): the two must be the same ranks."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    from ..names import TORCHTITAN
+
+    out = {}
+    for text in payload:
+        spec = MeshSpec.parse(text)
+        before = set(_world.pg_map)
+        ours = build(spec, ctx.device.type)
+        theirs = ours.renamed(TORCHTITAN)
+        out[spec.id] = {kind: {name: dist.get_process_group_ranks(meshes.group(meshes.names.get(name, name)))
+                               for name in GROUPS} for kind, meshes in (("ours", ours), ("torchtitan", theirs))}
+        out[spec.id]["dense"] = list(theirs.dense.mesh_dim_names)
+        del ours, theirs
+        for pg in [pg for pg in _world.pg_map if pg not in before]:
+            dist.destroy_process_group(pg)
+    return out
