@@ -3,7 +3,8 @@
 meshes named as torchtitan names them (``dp_replicate``, ``dp_shard``, flattened ``dp_shard_cp``)
 over the same ranks, and its cells pass; without it, the cell says in one line which name it asked
 for and how to keep it; and a planted bug in the same function (FSDP over ``dp_replicate`` instead of
-``dp_shard_cp``: on ``dp=2`` nothing reduces the gradients) is red."""
+``dp_shard_cp``: on ``dp=2`` nothing reduces the gradients) is red. The function reads the running
+cell (``harness.model.running()``) too."""
 import subprocess
 import sys
 import textwrap
@@ -19,7 +20,7 @@ MODEL = textwrap.dedent('''\
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from harness.model import ModelCase
+    from harness.model import ModelCase, running
 
 
     class MLP(nn.Module):
@@ -43,6 +44,9 @@ MODEL = textwrap.dedent('''\
 
     def parallelize(model, meshes, shard="dp_shard_cp"):
         world_mesh = meshes.dense  # as torchtitan's parallelize_llama reads its world mesh
+        cell = running()  # the running cell, by the harness's names
+        assert cell.dtype is torch.float32 and cell.steps == 3, cell
+        assert cell.mesh.get("dp", 1) == world_mesh["dp_shard"].size() and cell.id.startswith("mlp"), cell
         if world_mesh["tp"].size() > 1:
             parallelize_module(model, world_mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
         dp_mesh_dim_names = ("dp_replicate", shard) if world_mesh["dp_replicate"].size() > 1 else (shard,)
@@ -95,5 +99,5 @@ def test_a_torchtitan_named_parallelize_runs_unchanged(tmp_path):
     bug = flat(out.split("test_mlp[mlp-fsdpbug-dp2")[1])
     assert "diverges from the reference" in bug and "replicas" in bug, bug[:3000]
     ours = flat(out.split("test_mlp[mlpours-titan-dp2")[1])
-    assert ("the cell's code asked a mesh for dp_replicate (at mymodel.py:") in ours, ours[:3000]
+    assert ("the cell's code asked a mesh for dp_shard (at mymodel.py:") in ours, ours[:3000]
     assert "ModelCase(mesh_names='torchtitan') hands them over with torchtitan's names" in ours

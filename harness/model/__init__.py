@@ -3,7 +3,7 @@ optimizer steps on the harness's meshes, against the same model on one process i
 
 Public API::
 
-    from harness.model import ModelCase, Pipelined, register_model, model_cells, cell_dir, switches
+    from harness.model import ModelCase, Pipelined, register_model, model_cells, cell_dir, switches, running
 
 * :class:`ModelCase`: ``build``, ``batch``, ``loss``, ``parallelize`` (name -> ``fn(model, meshes)``),
   and optional ``forward``, ``optimizer``, ``steps``, ``seq_dim``, ``placements``, ``reduction``,
@@ -13,7 +13,8 @@ Public API::
   its loss computed and backpropagated under ``loss_parallel()``.
 * ``cell_dir()``: the directory a cell's ranks share, for a ``parallelize`` that goes through files
   (``save_pretrained`` / ``from_pretrained``); ``switches()``: the cell's values of the case's own
-  switches (``ModelCase.switches``), which exploration draws.
+  switches (``ModelCase.switches``), which exploration draws; ``running()``: the running cell (its
+  id, dtype, mesh degrees, switches and steps), for a ``parallelize`` that sets its own precision.
 * ``register_model(name, case="pkg.mod:CASE")`` registers a Component named ``name``;
   ``model_cells(name, impls=, meshes=, dtypes=, steps=, switches=)`` returns its Configs.
 * Ids: ``<model>-<impl>-<mesh>-<dtype>-<switches>-steps<N>-seed<S>``, mesh dims ``pp``, ``rep``,
@@ -34,7 +35,7 @@ ranks and in the reference (``tasks.py``, the entry points bound to the case) ->
 makes a case a Component.
 """
 from .case import ModelCase, Pipelined
-from .cell import cell_dir, switches
+from .cell import Running, cell_dir, running, switches
 from .register import model_cells, register_model
 
-__all__ = ["ModelCase", "Pipelined", "cell_dir", "model_cells", "register_model", "switches"]
+__all__ = ["ModelCase", "Pipelined", "Running", "cell_dir", "model_cells", "register_model", "running", "switches"]

@@ -1,5 +1,5 @@
-"""What the code of a running cell may ask of it: ``harness.model.cell_dir()`` and
-``harness.model.switches()``.
+"""What the code of a running cell may ask of it: ``harness.model.cell_dir()``,
+``harness.model.switches()`` and ``harness.model.running()``.
 
 **The directory a cell's ranks share**, ``cell_dir()``.
 
@@ -13,17 +13,37 @@ for one that all hosts see).
 **The cell's own switches**, ``switches()``: the values of the switches the case declares
 (``ModelCase.switches``), as the cell's id names them, the default (first) value where it names
 none: on the ranks and in the one-process reference alike, so ``build`` makes the same model in both.
+
+**The running cell**, ``running()``: its id, dtype (``torch.bfloat16`` for a ``bf16`` cell), mesh
+degrees, switches and steps, so ``parallelize`` can set up the precision it trains with (FSDP2's
+``MixedPrecisionPolicy(param_dtype=running().dtype)``); in the reference, the cell it is the
+reference of.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 from pathlib import Path
+from typing import NamedTuple
 
+import torch
+
+from ..compare.tolerance import TORCH_DTYPE
 from .case import MESH_SWITCHES
 
 _current: contextvars.ContextVar[str | None] = contextvars.ContextVar("paritytest_cell_dir", default=None)
 _switches: contextvars.ContextVar[dict | None] = contextvars.ContextVar("paritytest_switches", default=None)
+_running: contextvars.ContextVar["Running | None"] = contextvars.ContextVar("paritytest_running", default=None)
+
+
+class Running(NamedTuple):
+    """The running model cell, as its id says it (``harness.model.running()``)."""
+
+    id: str
+    dtype: torch.dtype
+    mesh: dict[str, int]  # degrees by the harness's dim names (harness.names)
+    switches: dict[str, str]  # every switch the id names (``ep``, ``etp`` and the case's own)
+    steps: int
 
 
 def cell_dir() -> Path:
@@ -44,15 +64,27 @@ def switches() -> dict[str, str]:
     return dict(values)
 
 
+def running() -> Running:
+    """The running cell (see the module docstring)."""
+    cell = _running.get()
+    if cell is None:
+        raise RuntimeError("harness.model.running() is the running model cell: call it from build, batch, forward "
+                           "or parallelize while the harness runs a cell or its reference")
+    return cell
+
+
 @contextlib.contextmanager
 def configured(case, cfg):
-    """``switches()`` are ``cfg``'s values of ``case``'s switches while the block runs."""
+    """``switches()`` are ``cfg``'s values of ``case``'s switches, and ``running()`` is ``cfg``, while
+    the block runs."""
     named = dict(cfg.switches)
     token = _switches.set({name: named.get(name, values[0]) for name, values in case.switches.items()
                            if name not in MESH_SWITCHES})
+    cell = _running.set(Running(cfg.id, TORCH_DTYPE[cfg.dtype], dict(cfg.mesh), named, cfg.size("steps")))
     try:
         yield
     finally:
+        _running.reset(cell)
         _switches.reset(token)
 
 
