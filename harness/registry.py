@@ -72,6 +72,9 @@ class Space:
     # draw one-rank worlds too: for a component whose one-rank run is not the reference's own code
     # (by default none is drawn; it runs no collective, so it can hardly diverge)
     one_rank: bool = False
+    # switch -> the mesh dims it acts with (sequence parallelism: tp); elsewhere it changes nothing,
+    # so --quick covers each of its values on a mesh where one of these has a degree above 1
+    acts_with: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass

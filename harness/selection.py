@@ -34,7 +34,8 @@ def quick_selection(cfgs: list[Config]) -> set[Config]:
     """Per (component, implementation): cells on the smallest mesh world above one (or the only
     world there is), picked in order until every such mesh, dtype and switch value appears once;
     and of every other kind of mesh it has (:func:`mesh_kind`: HSDP, 3 dims, ...), its smallest
-    cell. Small, yet every component, implementation, dtype, switch value and kind of mesh runs."""
+    cell; and each value of a switch that acts only with some mesh dims, on a mesh where it acts.
+    Small, yet every component, implementation, dtype, switch value and kind of mesh runs."""
     worlds: dict[tuple[str, str], set[int]] = defaultdict(set)
     for cfg in cfgs:
         worlds[cfg.component, cfg.impl].add(cfg.world)
@@ -55,7 +56,31 @@ def quick_selection(cfgs: list[Config]) -> set[Config]:
             kinds[kind] = cfg
     covered = {(c.component, c.impl, mesh_kind(c)) for c in keep}
     keep |= {cfg for kind, cfg in kinds.items() if kind not in covered}
-    return keep
+    return keep | _where_switches_act(cfgs, keep)
+
+
+def _where_switches_act(cfgs: list[Config], keep: set[Config]) -> set[Config]:
+    """For each value of a switch that acts only with some mesh dims (``Space.acts_with``: sequence
+    parallelism with tp) and that no kept cell runs on such a mesh: the smallest cell that does."""
+    from .registry import get
+
+    spaces: dict[str, dict] = {}  # component -> its switches' dims
+
+    def acts(cfg: Config, name: str) -> bool:
+        if cfg.component not in spaces:
+            space = get(cfg.component).exploration_space()
+            spaces[cfg.component] = space.acts_with if space is not None else {}
+        dims = spaces[cfg.component].get(name)
+        return dims is None or any(cfg.degree(d) > 1 for d in dims)
+
+    done = {(c.component, c.impl, k, v) for c in keep for k, v in c.switches if acts(c, k)}
+    chosen: dict[tuple, Config] = {}
+    for cfg in cfgs:
+        for k, v in cfg.switches:
+            feature = (cfg.component, cfg.impl, k, v)
+            if feature not in done and acts(cfg, k) and (feature not in chosen or cfg.world < chosen[feature].world):
+                chosen[feature] = cfg
+    return set(chosen.values())
 
 
 def select_quick(config, items) -> None:

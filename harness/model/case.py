@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from ..names import mesh_names
+from ..names import DEGREES, mesh_names
 
 # Applied to every parameter by the default optimizer. eps is large on purpose: with eps=1e-8 the
 # first AdamW step is lr*sign(g), so rounding noise in a near-zero gradient would move a parameter by
@@ -122,6 +122,9 @@ class ModelCase:
       ``tp``, ``pp``, ``ep``, flattened ``dp``, ``dp_shard_cp``, ``dp_cp``), or a mapping from the
       harness's names to yours (``{"dp": "shard"}``; :func:`harness.names.mesh_names`). The groups and
       ranks are the same; ids, ``placements`` and messages keep the harness's names.
+    * ``acts_with``: switch name -> the mesh dims it acts with (``{"sp": ("tp",)}``: sequence
+      parallelism changes nothing without tp): ``--quick`` runs each of its values on a mesh where
+      one of those dims has a degree above 1.
     """
 
     build: Callable[[], nn.Module]
@@ -140,6 +143,7 @@ class ModelCase:
     switches: dict[str, tuple[str, ...]] = field(default_factory=dict)
     fp32_ops: tuple[str, ...] = ()
     mesh_names: str | dict[str, str] | None = None
+    acts_with: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.parallelize:
@@ -162,5 +166,10 @@ class ModelCase:
                 raise ValueError(f"ModelCase.switches[{name!r}] = {values!r}: give a tuple of values of letters "
                                  "and digits, the default first, e.g. ('eager', 'batched')")
         mesh_names(self.mesh_names)  # raises on a bad value, naming the fix
+        for name, dims in self.acts_with.items():
+            if name not in self.switches or isinstance(dims, str) or not set(dims) <= set(DEGREES):
+                raise ValueError(f"ModelCase.acts_with[{name!r}] = {dims!r}: give a switch of ModelCase.switches "
+                                 f"and a tuple of the mesh dims it acts with ({', '.join(DEGREES)}), e.g. "
+                                 "{'sp': ('tp',)}")
         if isinstance(self.fp32_ops, str):
             raise ValueError(f"ModelCase.fp32_ops={self.fp32_ops!r}: give a tuple of op names, e.g. ('_grouped_mm',)")

@@ -335,5 +335,6 @@ def reduction_size(case: ModelCase, cfg: Config) -> int:
 def space(case: ModelCase) -> Space:
     """What exploration draws for a model: meshes over its dense dims in their order (the cell's
     rules keep what the case supports), fp32 and bf16, one to three steps, and the case's own
-    switches."""
-    return Space(dims=DENSE, sizes={"steps": (1, 3)}, switches=dict(case.switches), ordered=True, only_these=True)
+    switches (with the mesh dims each acts with)."""
+    return Space(dims=DENSE, sizes={"steps": (1, 3)}, switches=dict(case.switches), ordered=True, only_these=True,
+                 acts_with=dict(case.acts_with))
