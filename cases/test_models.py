@@ -6,7 +6,8 @@ branches merge as one-line changes). Axes, and why:
 * titan (harness/examples/titan.py, torchtitan's way): TP with sequence parallel and loss_parallel (tp2),
   composed with FSDP2 (dp2.tp2, in fp32 and bf16 autocast), HSDP (rep2.dp2), the 1F1B pipeline
   with FSDP2 (pp2.dp2) and with TP and FSDP2 on three dims at 8 ranks (pp2.dp2.tp2), HSDP × TP at 8
-  ranks, and the interleaved 1F1B schedule (pp2, pp2.dp2).
+  ranks, and the interleaved 1F1B schedule (pp2, pp2.dp2); titanmp, the same model in FSDP2's mixed
+  precision (bf16 compute, fp32 reduction and step) on dp2 and rep2.dp2.
 """
 import pytest
 
@@ -16,6 +17,8 @@ TITAN = (model_cells("titan", impls=["titan"], meshes=["tp=2", "rep=2,dp=2", "pp
                                                       "rep=2,dp=2,tp=2"])
          + model_cells("titan", impls=["titan"], meshes=["dp=2,tp=2"], dtypes=["fp32", "bf16"])
          + model_cells("titan", impls=["interleaved"], meshes=["pp=2", "pp=2,dp=2"]))
+# the same model as bf16 users of FSDP2 train it: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+TITANMP = model_cells("titanmp", meshes=["dp=2", "rep=2,dp=2"], dtypes=["bf16"])
 
 # transformers' tiny Llama (harness/examples/llama_hf.py): its own TP plan, FSDP2, HSDP and TP x FSDP2; Qwen3-MoE
 # (harness/examples/qwen3moe_hf.py): its EP plan (all_to_all) x FSDP2, expert copies summed over efsdp or not
@@ -51,7 +54,7 @@ from harness.examples.composed.case import cells as composed_cells  # noqa: E402
 
 COMPOSED = composed_cells()
 
-CELLS = TITAN + HF + COMPOSED + HFPRETRAINED + QWEN3MOEGMM + TITANWORLD + ACCELERATE
+CELLS = TITAN + TITANMP + HF + COMPOSED + HFPRETRAINED + QWEN3MOEGMM + TITANWORLD + ACCELERATE
 
 
 @pytest.mark.parametrize("cfg", CELLS, ids=str)

@@ -115,6 +115,8 @@ CKPT = Component(
 
 # ---- whole models (harness.model): harness/examples/<name>.py, each a ModelCase and its parallelize functions ----
 TITAN = model_component("titan", "harness.examples.titan:CASE", impls=("titan", "interleaved"))
+# the same model in FSDP2's mixed precision (bf16 parameters in compute, fp32 reduction and step)
+TITANMP = model_component("titanmp", "harness.examples.titan:MIXED", impls=("fsdpmp",))
 # the project's own five components in one transformer; ten steps of ~50 collectives each on 8 gloo
 # ranks take up to ~40 s on a loaded 2-core machine
 COMPOSED = model_component("composed", "harness.examples.composed.case:CASE", impls=("composed", "manual"),
@@ -136,5 +138,5 @@ TITANWORLD = model_component("titanworld", "harness.examples.titan_world:CASE", 
 ACCELERATE = model_component("accelerate", "harness.examples.accelerate_hf:CASE", impls=("nd",),
                              skip="harness.examples.hf:skip_accelerate")
 
-BUILTIN = [TP, RINGATTN, MOE, FSDP, PP, CKPT, TITAN, COMPOSED, LLAMA, QWEN3MOE, HFPRETRAINED, QWEN3MOEGMM, TITANWORLD,
+BUILTIN = [TP, RINGATTN, MOE, FSDP, PP, CKPT, TITAN, TITANMP, COMPOSED, LLAMA, QWEN3MOE, HFPRETRAINED, QWEN3MOEGMM, TITANWORLD,
            ACCELERATE]

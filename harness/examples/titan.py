@@ -18,19 +18,25 @@ run deleted, and every parameter keeps its name.
    the loss);
 3. dp > 1 (FSDP) or rep > 1 (HSDP): ``fully_shard`` each block, the embedding,
    norm+output, then the root, on ``dense["dp"]`` or ``dense["rep", "dp"]``.
+
+``MIXED`` is the same model as bf16 users of FSDP2 train it (``parallelize_mixed``): FSDP2 or HSDP
+with ``MixedPrecisionPolicy(param_dtype=<the cell's dtype>, reduce_dtype=torch.float32)``, the
+cell's dtype read from :func:`harness.model.running` (``mixed_precision="params"``).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from harness.model import ModelCase, Pipelined
+import dataclasses
+
+from harness.model import ModelCase, Pipelined, running
 
 VOCAB, DIM, HEADS, HIDDEN, LAYERS = 64, 32, 4, 64, 2
 BATCH, SEQ = 8, 8
@@ -157,15 +163,16 @@ def fsdp_mesh(meshes, hsdp_dims: tuple[str, str] = ("rep", "dp")):
     return meshes.dense["dp"] if spec.dp > 1 else None
 
 
-def apply_fsdp(model: Transformer, mesh) -> None:
+def apply_fsdp(model: Transformer, mesh, mp_policy: MixedPrecisionPolicy | None = None) -> None:
     """torchtitan's ``apply_fsdp``: each block, the embedding, norm+output, then the root."""
+    mp_policy = mp_policy or MixedPrecisionPolicy()
     for block in model.layers.values():
-        fully_shard(block, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     if model.tok_embeddings is not None:
-        fully_shard(model.tok_embeddings, mesh=mesh)
+        fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=mp_policy)
     if model.output is not None:
-        fully_shard([model.norm, model.output], mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard([model.norm, model.output], mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
 
 
 def parallelize_stage(model: Transformer, meshes, loss_parallel: bool, plan=None, hsdp_dims=("rep", "dp")):
@@ -226,12 +233,24 @@ def parallelize_interleaved(model: Transformer, meshes) -> Pipelined:
     return pipeline(model, meshes, interleaved=True)
 
 
+def parallelize_mixed(model: Transformer, meshes) -> Transformer:
+    """FSDP2 (HSDP with rep) in mixed precision, as torchtitan's ``mixed_precision_param``: forward
+    and backward in the cell's dtype, gradients reduced and stepped in fp32."""
+    policy = MixedPrecisionPolicy(param_dtype=running().dtype, reduce_dtype=torch.float32)
+    apply_fsdp(model, fsdp_mesh(meshes), policy)
+    return model
+
+
 def needs_pp(spec) -> str | None:
     return None if spec.pp > 1 else "the interleaved schedule needs pp > 1"
 
 
 def no_cp(spec) -> str | None:
     return "context parallel is not applied by this model's parallelize" if spec.cp > 1 else None
+
+
+def data_parallel_only(spec) -> str | None:
+    return None if spec.dp > 1 and spec.pp == spec.cp == spec.tp == 1 else "FSDP2 or HSDP alone: a mesh of dp (and rep)"
 
 
 CASE = ModelCase(
@@ -241,3 +260,6 @@ CASE = ModelCase(
     parallelize={"titan": parallelize, "interleaved": parallelize_interleaved},
     supports={"titan": no_cp, "interleaved": lambda spec: needs_pp(spec) or no_cp(spec)},
 )
+
+MIXED = dataclasses.replace(CASE, parallelize={"fsdpmp": parallelize_mixed}, supports={"fsdpmp": data_parallel_only},
+                            mixed_precision="params")

@@ -21,7 +21,7 @@ from ..names import DEGREES, mesh_names
 # problems take 0.05, reference.common.ADAMW, so that one step shows in bf16).
 ADAMW = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-3, weight_decay=0.01)
 
-MIXED_PRECISION = ("autocast", "bf16")
+MIXED_PRECISION = ("autocast", "bf16", "params")
 # the switches every model cell may take: the expert mesh and the reshard round trip (plan.py)
 MESH_SWITCHES = ("ep", "etp", "reshard")
 
@@ -100,8 +100,11 @@ class ModelCase:
     * ``reduction``: the tolerance policy's ``n`` for this model, when the derived one (README,
       Tolerances: the largest Linear fan-in or the tokens the loss averages) does not fit.
     * ``mixed_precision``: how bf16/fp16 cells run: ``"autocast"`` (fp32 parameters and optimizer,
-      forward under ``torch.autocast``) or ``"bf16"`` (the model cast to the cell's dtype before
-      ``parallelize``: parameters, gradients and optimizer state in it).
+      forward under ``torch.autocast``), ``"bf16"`` (the model cast to the cell's dtype before
+      ``parallelize``: parameters, gradients and optimizer state in it) or ``"params"`` (fp32
+      parameters and optimizer, forward and backward on a copy of the parameters in the cell's
+      dtype, gradients back in fp32: FSDP2's ``MixedPrecisionPolicy(param_dtype=<the cell's dtype>,
+      reduce_dtype=torch.float32)``, which ``parallelize`` sets, reading :func:`harness.model.running`).
     * ``supports``: implementation name -> ``fn(spec) -> str | None`` (``spec`` a
       :class:`harness.meshes.MeshSpec`): why a mesh is not one that implementation can run (a
       TP-only plan on a dp mesh), or None; such cells are invalid for it, not skipped.

@@ -34,6 +34,33 @@ def autocast(case: ModelCase, cfg: Config, device: torch.device):
     return contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def computed_in(model: nn.Module, dtype: torch.dtype):
+    """Forward and backward on the parameters cast to ``dtype``, the model's floating inputs cast
+    too, gradients back in the parameters' own dtype: what FSDP2's ``MixedPrecisionPolicy(
+    param_dtype=dtype, reduce_dtype=torch.float32)`` does, on one process (the calibration of a
+    ``mixed_precision="params"`` cell)."""
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    kept = [p.data for p in params]
+
+    def cast(value):
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: (tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}),
+        with_kwargs=True)
+    for p in params:
+        p.data = p.data.to(dtype)
+    try:
+        yield
+    finally:
+        hook.remove()
+        for p, data in zip(params, kept):
+            p.data = data
+            if p.grad is not None:
+                p.grad = p.grad.to(data.dtype)
+
+
 def scalar(loss: torch.Tensor) -> torch.Tensor:
     """A loss as a plain fp64 scalar (a replicated DTensor from loss_parallel included)."""
     loss = loss.detach()
@@ -156,6 +183,11 @@ class OneProcess(Trainer):
     def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.reference:
             with Fp32Ops(self.case.fp32_ops), self.draws or contextlib.nullcontext():
+                loss = self.case.loss(self.case.forward(self.model, batch), batch)
+                loss.backward()
+            return scalar(loss)
+        if self.case.mixed_precision == "params" and self.cfg.dtype in ("bf16", "fp16"):
+            with computed_in(self.model, TORCH_DTYPE[self.cfg.dtype]):
                 loss = self.case.loss(self.case.forward(self.model, batch), batch)
                 loss.backward()
             return scalar(loss)

@@ -1,0 +1,59 @@
+"""FSDP2's mixed precision as bf16 users train with it, from a user's own project (a temporary
+directory, pytest in a subprocess): the shipped ``titanmp`` case (``harness/examples/titan.py``,
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` read from ``harness.model.running()``,
+``mixed_precision="params"``) is green on its bf16 cells against the fp64 reference, and the same
+function with a bug a bf16 user could ship (gradients averaged over dp once more after FSDP2's own
+average) is red, named with its group."""
+import subprocess
+import sys
+import textwrap
+
+from tests.conftest import flat
+from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
+
+MODEL = textwrap.dedent('''\
+    import dataclasses
+
+    from harness.examples import titan
+
+
+    def averaged_twice(model, meshes):
+        made = titan.parallelize_mixed(model, meshes)
+        for p in made.parameters():  # "average over dp", on top of FSDP2's own average
+            p.register_post_accumulate_grad_hook(lambda p: p.grad.div_(meshes.spec.dp))
+        return made
+
+
+    BUG = dataclasses.replace(titan.MIXED, parallelize={"twice": averaged_twice})
+    ''')
+CONFTEST = 'from harness.model import register_model\n\nregister_model("mpbug", "mymodel:BUG")\n'
+TEST = textwrap.dedent('''\
+    import pytest
+
+    from harness.model import model_cells
+
+    CELLS = (model_cells("titanmp", meshes=["dp=2", "rep=2,dp=2"], dtypes=["bf16"])
+             + model_cells("mpbug", meshes=["dp=2"], dtypes=["bf16"]))
+
+
+    @pytest.mark.parametrize("cfg", CELLS, ids=str)
+    def test_cell(cfg, parity):
+        parity(cfg)
+    ''')
+
+
+def test_fsdp2_mixed_precision_is_green_and_a_bf16_users_bug_is_red(tmp_path):
+    for name, text in (("mymodel.py", MODEL), ("conftest.py", CONFTEST), ("test_cells.py", TEST),
+                       ("pytest.ini", "[pytest]\n")):
+        (tmp_path / name).write_text(text)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
+                           "--case-deadline", "120"],
+                          cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=600)
+    out = done.stdout
+    assert done.returncode == 1 and "1 failed, 2 passed" in out, out[-5000:] + done.stderr[-2000:]
+    assert "PASSED test_cells.py::test_cell[titanmp-fsdpmp-dp2-bf16" in out
+    assert "PASSED test_cells.py::test_cell[titanmp-fsdpmp-rep2.dp2-bf16" in out
+    bug = flat(out.split("test_cell[mpbug-twice-dp2-bf16")[1])
+    # held to the bf16 policy grown by one process computing as FSDP2's policy does
+    assert "(rtol=0.0625 (bf16, n=64); per tensor x (1 + 16 x one process's bf16 err/tol there)" in bug, bug[:3000]
+    assert "the reference x 1/2 = 1/dp" in bug, bug[:4000]
