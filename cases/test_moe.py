@@ -27,7 +27,7 @@ slicing the batch before the exchange (dp=2,tp=2 with ep=4 and with ep=tp=2); ev
 fp32 (the one-rank mesh once), four meshes once in bf16; its second EPImplementation (switch
 epimpl, all_reduce) where the expert group shares one batch; a starved ep rank and one-expert routing; the experts' grouped_mm and
 batched_mm kernels (switch experts, absent = eager) on both EPImplementations; and the cells it is
-declared to get wrong (strict xfail) or cannot run (skip), from ``harness/parallel/thirdparty.py``.
+declared to get wrong (strict xfail) or cannot run (skip), from ``harness/parallel/thirdparty_moe.py``.
 """
 import pytest
 

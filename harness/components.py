@@ -60,13 +60,13 @@ MOE = Component(
     space=Space(dims=("ep", "etp", "dp", "tp"), sizes=dict(t=(4, 32), e=(2, 16), k=(1, 4), h=(4, 12), f=(4, 24)),
                 switches={"route": ("rand", "one", "skew"),
                           "emesh": ("dense", "ep1", "ep2", "ep3", "ep4", "ep8", "ep2etp2", "ep4etp2", "ep2etp4")}),
-    meshes="harness.parallel.thirdparty:moe_meshes",  # harness.parallel.moe:meshes, plus transformers' 1-rank tp dim for hf
+    meshes="harness.parallel.thirdparty_moe:moe_meshes",  # harness.parallel.moe:meshes, plus transformers' 1-rank tp dim for hf
     simplest={"cap": ("none", "100", "125"), "score": ("softmax", "sigmoid"), "norm": ("off", "on")},
     implementations={
         "ours": Implementation("ours", "harness.parallel.moe:run"),
         # transformers' apply_expert_parallelism (pip install -e '.[thirdparty]'): dropless, no `dropped`
-        "hf": Implementation("hf", "harness.parallel.moe_hf:run", skip="harness.parallel.thirdparty:hf_moe_skip",
-                             omits=("dropped",), xfail="harness.parallel.thirdparty:hf_moe_xfail"),
+        "hf": Implementation("hf", "harness.parallel.moe_hf:run", skip="harness.parallel.thirdparty_moe:hf_moe_skip",
+                             omits=("dropped",), xfail="harness.parallel.thirdparty_moe:hf_moe_xfail"),
     },
 )
 

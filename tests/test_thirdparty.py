@@ -7,7 +7,7 @@ import pytest
 
 from harness.config import Config
 from harness.registry import Implementation, get, preload_modules, register_implementation, unresolved
-from harness.parallel import thirdparty
+from harness.parallel import thirdparty, thirdparty_moe
 from reference.tp import SIZES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,7 +135,7 @@ def moe_cell(mesh="ep=2", emesh="dense", dtype="fp32", impl="hf", **switches) ->
 def test_moe_hf_is_registered_dropless_with_its_skips_and_divergences():
     impl = get("moe").implementations["hf"]
     assert impl.skip and impl.xfail and impl.omits == ("dropped",)
-    assert "harness.parallel.thirdparty" in preload_modules([moe_cell()])
+    assert "harness.parallel.thirdparty_moe" in preload_modules([moe_cell()])
 
 
 def test_moe_hf_imports_and_skips_without_transformers():
@@ -144,7 +144,7 @@ import sys
 sys.modules["transformers"] = None
 import harness.parallel.moe_hf
 from harness.config import Config
-from harness.parallel.thirdparty import hf_moe_skip
+from harness.parallel.thirdparty_moe import hf_moe_skip
 from reference.moe import SIZES
 print(hf_moe_skip(Config("moe", "hf", (("ep", 2),), "fp32", dict(SIZES, e=8, k=2),
       dict(emesh="dense", cap="none", score="softmax", norm="off", route="rand", epimpl="alltoall"))))
@@ -167,7 +167,7 @@ print(hf_moe_skip(Config("moe", "hf", (("ep", 2),), "fp32", dict(SIZES, e=8, k=2
 ])
 def test_moe_hf_skips_what_transformers_cannot_express(switches, says):
     pytest.importorskip("transformers")
-    assert says in thirdparty.hf_moe_skip(moe_cell(**switches))
+    assert says in thirdparty_moe.hf_moe_skip(moe_cell(**switches))
 
 
 def test_moe_hf_ep_tp_rule_quotes_transformers_own_message():
@@ -175,7 +175,7 @@ def test_moe_hf_ep_tp_rule_quotes_transformers_own_message():
     with pytest.raises(ValueError) as refused:
         configuration.DistributedConfig(tp_size=4, fsdp_size=2, ep_size=2)
     # ep=2 inside a tp line of 4: harness/parallel/moe.py runs it, transformers refuses it
-    assert str(refused.value) in thirdparty.hf_moe_skip(moe_cell(mesh="dp=2,tp=4", emesh="ep2"))
+    assert str(refused.value) in thirdparty_moe.hf_moe_skip(moe_cell(mesh="dp=2,tp=4", emesh="ep2"))
 
 
 @pytest.mark.parametrize("switches", [
@@ -184,7 +184,7 @@ def test_moe_hf_ep_tp_rule_quotes_transformers_own_message():
 ])
 def test_moe_hf_runs_the_layouts_transformers_has(switches):
     pytest.importorskip("transformers")
-    assert thirdparty.hf_moe_skip(moe_cell(**switches)) is None
+    assert thirdparty_moe.hf_moe_skip(moe_cell(**switches)) is None
 
 
 def test_moe_meshes_add_transformers_one_rank_tp_dim_for_hf_only():
@@ -192,17 +192,17 @@ def test_moe_meshes_add_transformers_one_rank_tp_dim_for_hf_only():
 
     for mesh, emesh in (("ep=2", "dense"), ("dp=4", "ep2"), ("dp=2,tp=2", "ep4")):
         ours = moe_cell(mesh, emesh, impl="ours")
-        assert thirdparty.moe_meshes(ours) == meshes(ours)
-    assert thirdparty.moe_meshes(moe_cell("ep=2")) == [(("fsdp", 2), ("tp", 1))]
-    assert thirdparty.moe_meshes(moe_cell("dp=4", "ep2")) == [(("edp", 2), ("ep", 2)), (("fsdp", 4), ("tp", 1))]
-    assert thirdparty.moe_meshes(moe_cell("dp=2,tp=2", "ep4")) == [(("ep", 4),)]  # the cell's tp is transformers'
+        assert thirdparty_moe.moe_meshes(ours) == meshes(ours)
+    assert thirdparty_moe.moe_meshes(moe_cell("ep=2")) == [(("fsdp", 2), ("tp", 1))]
+    assert thirdparty_moe.moe_meshes(moe_cell("dp=4", "ep2")) == [(("edp", 2), ("ep", 2)), (("fsdp", 4), ("tp", 1))]
+    assert thirdparty_moe.moe_meshes(moe_cell("dp=2,tp=2", "ep4")) == [(("ep", 4),)]  # the cell's tp is transformers'
 
 
 def test_moe_hf_declared_divergences_are_cells_the_cases_run():
     from cases.test_moe import CELLS
 
     ids = {cfg.id for cfg in CELLS}
-    assert thirdparty.HF_MOE_KNOWN and set(thirdparty.HF_MOE_KNOWN) <= ids
+    assert thirdparty_moe.HF_MOE_KNOWN and set(thirdparty_moe.HF_MOE_KNOWN) <= ids
 
 
 def test_moe_hf_experts_kernels_keep_a_starved_rank_in_the_backward():
@@ -210,8 +210,8 @@ def test_moe_hf_experts_kernels_keep_a_starved_rank_in_the_backward():
     batched_mm kernels run the masked rows, so those cells run."""
     pytest.importorskip("transformers")
     starved = dict(mesh="dp=2,tp=2", emesh="ep2", epimpl="allreduce", route="skew", k=1)
-    assert "hang" in thirdparty.hf_moe_skip(moe_cell(**starved))
-    assert "hang" in thirdparty.hf_moe_skip(moe_cell(**starved, experts="eager"))
+    assert "hang" in thirdparty_moe.hf_moe_skip(moe_cell(**starved))
+    assert "hang" in thirdparty_moe.hf_moe_skip(moe_cell(**starved, experts="eager"))
     for kernel in ("groupedmm", "batchedmm"):
-        assert thirdparty.hf_moe_skip(moe_cell(**starved, experts=kernel)) is None
-    assert "switch experts one of" in thirdparty.hf_moe_skip(moe_cell(experts="sonicmoe"))
+        assert thirdparty_moe.hf_moe_skip(moe_cell(**starved, experts=kernel)) is None
+    assert "switch experts one of" in thirdparty_moe.hf_moe_skip(moe_cell(experts="sonicmoe"))

@@ -27,7 +27,7 @@ Meshes, as transformers lays them out (``TransformersDeviceMesh``: dense ``fsdp 
 ``efsdp x ep``, ep a multiple of tp): the expert mesh's ``ep`` dim is ``ep_mesh``; ``tp_mesh`` is the
 group of ranks that hold the same batch (transformers slices the batch over it before the exchange
 and gathers the output back). For cells whose mesh has no tp dim that is a one-rank dim, declared by
-:func:`harness.parallel.thirdparty.moe_meshes` as transformers' dense view ``fsdp=world x tp=1`` (never
+:func:`harness.parallel.thirdparty_moe.moe_meshes` as transformers' dense view ``fsdp=world x tp=1`` (never
 built in a task). The router and the aux loss run on every rank of a tp group on the whole batch.
 
 What the library does not do is done here the way its users do it: the step (SGD, as
@@ -36,7 +36,7 @@ of the same experts (efsdp), and the aux loss over the global batch (the router 
 over the token ranks first: transformers' models call the function on each rank's own batch, which
 is not the global Switch loss the reference defines). transformers has no capacity, no sigmoid
 router paired with a Switch aux loss, and no expert tensor parallelism with EP: those cells skip
-(``harness/parallel/thirdparty.py``), and ``dropped`` is omitted (nothing is ever dropped).
+(``harness/parallel/thirdparty_moe.py``), and ``dropped`` is omitted (nothing is ever dropped).
 """
 from __future__ import annotations
 
@@ -51,13 +51,13 @@ from reference.moe import AUX_WEIGHT, has_aux, make_problem
 
 from .collectives import all_reduce_, gather_from_group
 from .moe import expert_placements, layout
-from .thirdparty import HF_EP_IMPLEMENTATIONS, HF_EXPERTS, hf_experts, hf_moe_dense_view
+from .thirdparty_moe import HF_EP_IMPLEMENTATIONS, HF_EXPERTS, hf_experts, hf_moe_dense_view
 
 try:  # imported here so the pool's zygote pays for it once; absent, every cell skips in the parent
     from transformers.distributed.expert_parallel import apply_expert_parallelism
     from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, load_balancing_loss_func
-except ImportError:  # pragma: no cover  harness.parallel.thirdparty.hf_moe_skip says how to install it
+except ImportError:  # pragma: no cover  harness.parallel.thirdparty_moe.hf_moe_skip says how to install it
     apply_expert_parallelism = None
 
 # the expert parallel plan of transformers' MoE configs (Qwen3MoeConfig.base_model_ep_plan, per layer)
