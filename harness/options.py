@@ -30,6 +30,10 @@ def add_options(parser) -> None:
                     help="the edit loop: of each component and implementation, a few cells on its smallest mesh of "
                          "more than one rank, covering every dtype and switch value, and no other test that needs "
                          "the rank pool; the whole matrix stays the gate")
+    group.addoption("--changed", default=None, metavar="REF",
+                    help="the cells a change since the git ref REF can move (the import graph from the changed files "
+                         "to each cell's component, implementation, reference and model, and changed golden files); "
+                         "a change to the harness's machinery selects every cell (docs/ci.md)")
     group.addoption("--full-matrix", action="store_true",
                     help="every cell of each component's product, not the gate's covering design of it (the "
                          "nightly run; also PARITYTEST_FULL_MATRIX=1)")

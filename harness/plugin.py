@@ -100,6 +100,8 @@ def _check_implementations() -> None:
 
 
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--changed"):
+        selection.select_changed(config, items)
     if config.getoption("--quick"):
         selection.select_quick(config, items)
     selection.by_world(items)

@@ -97,6 +97,34 @@ def select_quick(config, items) -> None:
         items[:] = selected
 
 
+def select_changed(config, items) -> None:
+    """``--changed REF``: the cells the change can move (:mod:`harness.changes`), and the other tests
+    whose module reaches a changed one; the rest deselected."""
+    from pathlib import Path
+
+    from .changes import ChangedError, Changes, module_of
+
+    root = Path(config.rootpath)
+    try:
+        changes = Changes(root, config.getoption("--changed"),
+                          Path(config.getoption("--golden-dir") or root / "golden"))
+    except ChangedError as error:
+        raise pytest.UsageError(str(error)) from None
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not hasattr(config, "workerinput"):  # the controller says it, once
+        reporter.write_line(changes.describe())
+    selected, deselected = [], []
+    for item in items:
+        module = module_of(str(Path(item.path).resolve().relative_to(root.resolve()))) if Path(item.path).resolve() \
+            .is_relative_to(root.resolve()) else None
+        cfg = cell_config(item)
+        wanted = changes.moves(cfg, module) if cfg is not None else changes.reaches(module)
+        (selected if wanted else deselected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
+
+
 def remember_deselected(items) -> None:
     """Keep the id of a deselected cell: the example the no-cell line shows."""
     cfg = next((c for c in map(cell_config, items) if c is not None), None)

@@ -136,7 +136,9 @@ def test_the_gates_commands_run_here_write_the_summary_with_the_per_component_ta
     narrowed to a few cells and one test module. The install step is the README's (checked above);
     it is not repeated: this interpreter's environment is it."""
     inputs = caller_inputs(load(WORKFLOW), "cpu")
+    assert "github.event_name == 'pull_request'" in inputs["changed"]  # a pull request's base ref, else ''
     inputs.update(cells="tp-ours-tp2-fp32-op_mlp or ringattn-ours-cp2-fp32-gqa_on.layout_zigzag.mask_causal",
+                  changed="",  # as on a push to main: every cell (--changed itself: tests/test_changed.py)
                   **{"other-tests": inputs["other-tests"].replace("tests/", "tests/test_layout.py")})
     env, steps = reusable_steps(inputs)
     reports, summary = tmp_path / "reports", tmp_path / "step-summary.md"

@@ -1,0 +1,87 @@
+"""``pytest cases/ --changed REF`` on real changes to this repository, made in a clone of it (the
+command a pull request's gate runs, in a subprocess): a change to ``harness/parallel/moe.py`` selects
+the MoE and composed cells and nothing else; one to the harness's machinery (``harness/cell.py``)
+every cell; a changed golden file its own cell; a docs-only change no cell; a ref git does not know
+is a usage error naming the fix."""
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory):
+    where = tmp_path_factory.mktemp("changed") / "repo"
+    subprocess.run(["git", "clone", "-q", "--local", str(ROOT), str(where)], check=True)
+    # the working tree's own state, committed in the clone: what a pull request's head holds
+    tracked = subprocess.run(["git", "ls-files", "-m", "-o", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.split()
+    for name in tracked:
+        if (ROOT / name).is_file():
+            (where / name).parent.mkdir(parents=True, exist_ok=True)
+            (where / name).write_bytes((ROOT / name).read_bytes())
+    for cmd in (["add", "-A"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "head"]):
+        subprocess.run(["git", *cmd], cwd=where, check=True)
+    return where
+
+
+def selected(clone: Path, *args: str) -> tuple[Counter, str]:
+    """Cells by component that ``pytest cases/ --collect-only`` selects with ``args``, and its output."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "cases/", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           *args], cwd=clone, capture_output=True, text=True, timeout=300)
+    ids = re.findall(r"^cases/\S+::\w+\[([a-z0-9]+)-", done.stdout, re.M)
+    return Counter(ids), done.stdout + done.stderr
+
+
+def changing(clone: Path, path: str, text: str = "\n# a change\n"):
+    """Append ``text`` to ``path`` in the clone's working tree; undone by the returned function."""
+    file = clone / path
+    before = file.read_bytes()
+    file.write_bytes(before + text.encode())
+    return lambda: file.write_bytes(before)
+
+
+def test_a_change_to_the_moe_component_selects_its_cells_and_the_composed_models(clone):
+    every, _ = selected(clone)
+    undo = changing(clone, "harness/parallel/moe.py")
+    try:
+        cells, out = selected(clone, "--changed", "HEAD")
+    finally:
+        undo()
+    assert set(cells) == {"moe", "composed"}, (cells, out[-2000:])
+    assert cells["moe"] == every["moe"] and cells["composed"] == every["composed"]
+    assert "--changed: 1 files changed (1 modules, 0 golden files)" in out
+
+
+def test_a_change_to_the_machinery_selects_every_cell(clone):
+    every, _ = selected(clone)
+    undo = changing(clone, "harness/cell.py")
+    try:
+        cells, out = selected(clone, "--changed", "HEAD")
+    finally:
+        undo()
+    assert cells == every and len(every) >= 8, (cells, every)
+    assert "the harness's machinery among them (harness.cell): every cell" in out
+
+
+def test_a_changed_golden_selects_its_cell_and_docs_select_none(clone):
+    golden = sorted((clone / "golden" / "tp").glob("*.safetensors"))[0]
+    undo = [changing(clone, str(golden.relative_to(clone)), ""), changing(clone, "docs/ci.md")]
+    golden.write_bytes(golden.read_bytes() + b"\0")
+    try:
+        cells, out = selected(clone, "--changed", "HEAD")
+    finally:
+        for u in undo:
+            u()
+    assert cells == Counter({"tp": 1}) and f"[{golden.stem}]" in out, (cells, out[-2000:])
+
+
+def test_a_ref_git_does_not_know_is_a_usage_error(clone):
+    _, out = selected(clone, "--changed", "no-such-ref")
+    assert "--changed no-such-ref: git rev-parse" in out and "e.g. --changed origin/main" in out, out[-2000:]
+    assert "Traceback" not in out
