@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from .commands import rerun_command
 from .config import Config, ConfigError
 
 PROPERTY = "parity"
@@ -46,21 +45,6 @@ def worst(report) -> dict:
         return {}
     row = max(rows, key=lambda r: r.ratio)
     return {"ratio": row.ratio, "tensor": row.tensor, "norm_ratio": row.norm_ratio}
-
-
-def rerun_command(config, nodeid: str) -> str:
-    """The command that reruns one test exactly: this interpreter, from the rootdir, by node id."""
-    python = sys.executable
-    here = Path.cwd()
-    try:
-        python = os.path.relpath(python, here) if Path(python).is_relative_to(here) else python
-    except ValueError:
-        pass
-    command = f"{shlex.quote(python)} -m pytest {shlex.quote(nodeid)}"
-    root = Path(config.rootpath)
-    if root.resolve() != here.resolve():
-        command = f"cd {shlex.quote(str(root))} && {command}"
-    return command
 
 
 class CellCheck:
@@ -129,7 +113,7 @@ class CellCheck:
         from .world import split_nothing
 
         opt = self.config.getoption
-        rerun = rerun_command(self.config, self.nodeid)
+        rerun = rerun_command(self.config.rootpath, self.nodeid)
         scratch = None  # the cell's directory (harness.model.cell_dir()), kept if it fails
         try:
             scratch = pool.new_scratch()

@@ -1,6 +1,8 @@
 """harness.bisect on planted bugs: the minimal config, nondeterminism, budgets, git bisect run."""
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -8,13 +10,14 @@ from pathlib import Path
 import pytest
 
 from tests.checkout import copy_checkout
-from tests.conftest import flat
+from tests.conftest import flat, line_of
 
 from harness.bisect.shrink import Search
 from harness.bisect.signature import Signature, whole_factor
 from harness.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
+OUT = Path(".paritytest", "bisect")  # where bisect writes in the project (docs/bisect-and-explore.md)
 CONFTEST = '''
 from harness.registry import register_implementation
 register_implementation("tp", "overtp", "tests.planted:tp_grads_over_tp")
@@ -29,19 +32,34 @@ register_implementation("tp", "spunreduced", "tests.planted:tp_sp_replicated_gra
 '''
 
 
-def bisect(tmp_path, *args, timeout=600):
+def bisect(tmp_path, *args, timeout=600, python=sys.executable):
     """Run ``python -m harness.bisect`` the way a user does, from a directory whose conftest
     registers the planted implementations: bisect itself must load it, as pytest would."""
     project = tmp_path / "project"
     project.mkdir(exist_ok=True)
     (project / "conftest.py").write_text(CONFTEST)
     env = dict(os.environ, PYTHONPATH=str(ROOT))  # the planted implementations live in tests/
-    return subprocess.run([sys.executable, "-m", "harness.bisect", *args], cwd=project, env=env,
+    return subprocess.run([str(python), "-m", "harness.bisect", *args], cwd=project, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
 def result(tmp_path):
-    return json.loads((tmp_path / "project" / "bisect-out" / "result.json").read_text())
+    return json.loads((tmp_path / "project" / OUT / "result.json").read_text())
+
+
+def venv_in(project: Path) -> Path:
+    """A virtual environment at ``project/.venv`` holding this one's packages, as a user's project
+    holds its own: its interpreter."""
+    venv = project / ".venv"
+    if sys.prefix == sys.base_prefix:  # not in one: a new one that sees this installation's packages
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
+                       check=True)
+    else:  # this one under another name: its configuration, its interpreter and its packages
+        (venv / "bin").mkdir(parents=True)
+        shutil.copy(Path(sys.prefix, "pyvenv.cfg"), venv)
+        (venv / "bin" / "python").symlink_to(sys.executable)
+        (venv / "lib").symlink_to(Path(sys.prefix, "lib"))
+    return venv / "bin" / "python"
 
 
 def test_whole_factors_name_scaling_bugs():
@@ -92,7 +110,7 @@ def test_a_scaling_bug_from_an_8_rank_cell_shrinks_to_tp2_within_budget(tmp_path
             in flat(done.stdout)), done.stdout
     assert place["scaled_results"] == {f"grad/{p}": "x 1/2 = 1/tp" for p in ("b1", "b2", "w1", "w2")}, place
     assert "reproduce: " in done.stdout and "harness.bisect check " + found["minimal"] in done.stdout
-    lines = (tmp_path / "project" / "bisect-out" / "trials.jsonl").read_text().splitlines()
+    lines = (tmp_path / "project" / OUT / "trials.jsonl").read_text().splitlines()
     assert len(lines) == found["trials"] and json.loads(lines[0])["config"] == cell
 
 
@@ -131,6 +149,39 @@ def test_a_ring_bug_keeps_cp_and_drops_every_switch_it_does_not_need(tmp_path):
     assert dict(minimal.switches) == {"gqa": "off", "layout": "contig", "mask": "full"}
     # the first ring step merges the rank's own block, which is right; the second is where K/V should have moved
     assert result(tmp_path)["localisation"]["origin"]["event"] == "fwd ring ring_step=1"
+
+
+@pytest.mark.slow
+def test_what_run_prints_fits_the_screen_and_reproduces_where_it_was_typed_and_its_files_are_gitignored(tmp_path):
+    """A project with its own .venv, as a user's: a ring cell's ids are long, yet no line bisect prints
+    (progress on stderr, the end on stdout) passes 200 columns; the reproduce line names the interpreter
+    as a failing cell's does (relative to the project) and, pasted there, reruns the minimal cell; the
+    files are where the docs say, in a directory git ignores, and none is left in the project's root."""
+    project = tmp_path / "project"
+    project.mkdir()
+    python = venv_in(project)
+    cell = "ringattn-stuck-cp4.tp2-bf16-gqa_on.layout_zigzag.mask_causal-b2.d4.h16.q4.s48-seed0"
+    done = bisect(tmp_path, "run", cell, python=python)
+    assert done.returncode == 1, done.stdout + done.stderr
+    printed = (done.stdout + done.stderr).splitlines()
+    assert max(map(len, printed)) <= 200, [line for line in printed if len(line) > 200]
+    found = result(tmp_path)
+    assert len(flat(line_of(done.stdout, "minimal: "))) > 200  # a long line, wrapped: not cut
+    reproduce = line_of(done.stdout, "reproduce: ")
+    assert reproduce == f"reproduce: .venv/bin/python -m harness.bisect check {found['minimal']}", reproduce
+    assert not Path(shlex.split(found["reproduce"])[0]).is_absolute() and found["reproduce"] in reproduce
+    pasted = subprocess.run(["bash", "-c", found["reproduce"]], cwd=project, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                            capture_output=True, text=True, timeout=600)
+    assert pasted.returncode == 1 and f"{found['minimal']}: mismatch" in pasted.stdout, pasted.stdout + pasted.stderr
+    docs = (ROOT / "docs" / "bisect-and-explore.md").read_text()
+    assert f"`{OUT.as_posix()}/result.json`" in docs and "bisect-out" not in docs
+    assert done.stdout.splitlines()[-1] == f"wrote {OUT.as_posix()}/result.json and trials.jsonl beside it"
+    assert sorted(p.name for p in project.iterdir()) == [".paritytest", ".venv", "conftest.py"]
+    assert (project / ".paritytest" / ".gitignore").read_text().splitlines()[-1] == "*"
+    subprocess.run(["git", "init", "-q"], cwd=project, check=True)
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=project, check=True,
+                            capture_output=True, text=True).stdout
+    assert "conftest.py" in status and ".paritytest" not in status, status
 
 
 # (a planted bug's 8- or 4-rank cell, the mesh bisect must shrink it to, the event where the bug lives)
@@ -184,7 +235,7 @@ def test_check_follows_git_bisect_exit_codes(tmp_path):
     skip = bisect(tmp_path, "check", "tp-ours-tp3-fp32-op_mlp-b4.f32.h16.s8.v2-seed0")  # v=2 over tp=3: a rule
     assert skip.returncode == 125, skip.stdout + skip.stderr
     bad = bisect(tmp_path, "check", "not-a-config")
-    assert bad.returncode == 2 and "expected 7" in bad.stderr
+    assert bad.returncode == 2 and "expected 7" in flat(bad.stderr)
 
 
 def test_bisect_loads_the_conftests_of_the_ini_testpaths_whatever_the_addopts(tmp_path):
@@ -197,9 +248,11 @@ def test_bisect_loads_the_conftests_of_the_ini_testpaths_whatever_the_addopts(tm
     (project / "checks" / "conftest.py").write_text(CONFTEST)
     done = bisect(tmp_path, "check", "tp-yours-tp2-fp32-op_mlp-b4.f32.h16.s8.v40-seed0")
     assert done.returncode == 2, done.stdout + done.stderr
+    said = flat(done.stderr)  # one message, wrapped to the screen
     assert "unknown implementation 'yours' of tp; registered: colbwd, dtensor, hf, megatron, noisy, ours, overtp" \
-        in done.stderr and f"loaded conftests: {project / 'conftest.py'}, {project / 'checks' / 'conftest.py'}" \
-        in done.stderr and f"ini file {project / 'pytest.ini'}, collecting checks" in done.stderr, done.stderr
+        in said and f"loaded conftests: {project / 'conftest.py'}, {project / 'checks' / 'conftest.py'}" \
+        in said and f"ini file {project / 'pytest.ini'}, collecting checks" in said, done.stderr
+    assert max(map(len, done.stderr.splitlines())) <= 200, done.stderr
     assert "no divergence" not in done.stdout + done.stderr
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.checkout import copy_checkout, user_env
+from tests.conftest import flat
+from tests.test_bisect import OUT
 from tests.test_outside_project import IMPLEMENTATIONS, PLACEHOLDER, code_blocks, doc_section, project_files
 
 pytestmark = pytest.mark.slow
@@ -71,25 +73,34 @@ def test_a_name_not_registered_is_a_usage_error_saying_where_bisect_looked(pytho
     unknown = bisect(python, good, "check", CELL.replace("-mine-", "-yours-"))
     assert unknown.returncode == 2, unknown.stdout + unknown.stderr
     message = unknown.stderr.strip()
-    assert len(message.splitlines()) == 1 and "no divergence" not in message
+    lines = message.splitlines()  # one message, wrapped to the screen: its continuations indented
+    assert all(line.startswith("  ") for line in lines[1:]) and max(map(len, lines)) <= 200, message
+    assert "no divergence" not in message
+    message = flat(message)
     for part in ("unknown implementation 'yours' of tp", "registered: dtensor, hf, megatron, mine, ours",
                  f"rootdir {good}", f"ini file {good / 'pytest.ini'}", f"loaded conftests: {conftest}",
                  "register_implementation('tp', 'yours', 'module:run') in a conftest.py"):
         assert part in message, message
     component = bisect(python, good, "check", CELL.replace("tp-", "tq-", 1))
-    assert component.returncode == 2 and "unknown component 'tq'; registered: accelerate, ckpt" in component.stderr
-    assert f"loaded conftests: {conftest}" in component.stderr, component.stderr
+    said = flat(component.stderr)
+    assert component.returncode == 2 and "unknown component 'tq'; registered: accelerate, ckpt" in said
+    assert f"loaded conftests: {conftest}" in said, component.stderr
     run = bisect(python, good, "run", CELL.replace("-mine-", "-yours-"))
-    assert run.returncode == 2 and "unknown implementation 'yours' of tp" in run.stderr, run.stdout + run.stderr
+    assert run.returncode == 2 and "unknown implementation 'yours' of tp" in flat(run.stderr), run.stdout + run.stderr
+    assert not (good / ".paritytest").exists()  # a usage error writes nothing
 
 
 def test_run_on_an_id_of_the_users_implementation_shrinks_it(python, tmp_path):
     project = make_project(tmp_path / "project", bug=True)
     done = bisect(python, project, "run", WIDE)
     assert done.returncode == 1, done.stdout + done.stderr
-    found = json.loads((project / "bisect-out" / "result.json").read_text())
+    found = json.loads((project / OUT / "result.json").read_text())
     assert found["minimal"].startswith("tp-mine-tp2-fp32-op_colshard-") and found["essential"] == ["tp=2"]
     assert found["tensors"][0] == "grad/x" and f"harness.bisect check {found['minimal']}" in done.stdout
+    # the interpreter is the installed one, outside the project: named whole, as a failing cell's reproduce line does
+    assert f"reproduce: {python} -m harness.bisect check {found['minimal']}" in done.stdout.splitlines()
+    assert sorted(p.name for p in project.iterdir()) == [".paritytest", "mypkg", "pytest.ini", "tests_parity"]
+    assert max(map(len, (done.stdout + done.stderr).splitlines())) <= 200, done.stdout + done.stderr
 
 
 def test_run_on_a_component_bisects_the_first_failing_cell_pytest_collects(python, tmp_path):
@@ -97,10 +108,10 @@ def test_run_on_a_component_bisects_the_first_failing_cell_pytest_collects(pytho
     done = bisect(python, project, "run", "tp")
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"first failing tp cell: {CELL}" in done.stderr  # tp1 cells match; the first tp2 one does not
-    found = json.loads((project / "bisect-out" / "result.json").read_text())
+    found = json.loads((project / OUT / "result.json").read_text())
     assert found["original"] == CELL and found["minimal"].startswith("tp-mine-tp2-fp32-")
     unknown = bisect(python, project, "run", "tq")
-    assert unknown.returncode == 2 and "unknown component 'tq'" in unknown.stderr, unknown.stderr
+    assert unknown.returncode == 2 and "unknown component 'tq'" in flat(unknown.stderr), unknown.stderr
 
 
 def test_git_bisect_run_names_the_commit_that_broke_the_users_layer(python, tmp_path):

@@ -5,13 +5,12 @@ import re
 import shlex
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
 
 from harness.matrix import cells
-from harness.fixture import rerun_command
+from harness.commands import rerun_command
 from harness.selection import quick_selection
 from harness.report.junit import read
 from reference.tp import SIZES
@@ -151,12 +150,16 @@ register_implementation("tp", "typo", "mypkg.tp_impll:run")
 
 
 def test_the_rerun_command_uses_this_interpreter_and_the_rootdir(tmp_path, monkeypatch):
-    config = types.SimpleNamespace(rootpath=tmp_path)
     monkeypatch.chdir(tmp_path)
-    assert rerun_command(config, "cases/t.py::t[a]") == f"{shlex.quote(sys.executable)} -m pytest 'cases/t.py::t[a]'"
+    assert rerun_command(tmp_path, "cases/t.py::t[a]") == f"{shlex.quote(sys.executable)} -m pytest 'cases/t.py::t[a]'"
     (tmp_path / "sub").mkdir()
     monkeypatch.chdir(tmp_path / "sub")
-    assert rerun_command(config, "cases/t.py::t[a]").startswith(f"cd {shlex.quote(str(tmp_path))} && ")
+    assert rerun_command(tmp_path, "cases/t.py::t[a]").startswith(f"cd {shlex.quote(str(tmp_path))} && ")
+    # a project's own interpreter is named as typed where the command runs: from the rootdir it cds to
+    monkeypatch.setattr(sys, "executable", str(tmp_path / ".venv" / "bin" / "python"))
+    assert rerun_command(tmp_path, "t.py::t") == f"cd {shlex.quote(str(tmp_path))} && .venv/bin/python -m pytest t.py::t"
+    monkeypatch.chdir(tmp_path)
+    assert rerun_command(tmp_path, "t.py::t") == ".venv/bin/python -m pytest t.py::t"
 
 
 def test_a_hung_cell_fails_with_every_rank_stack_and_the_next_cell_passes(project):

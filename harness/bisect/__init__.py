@@ -14,8 +14,9 @@ a component or implementation not registered there is a usage error saying where
 * ``check <config id>``: exit 0 when the cell matches, 1 when it diverges, 125 when it cannot run
   here, for ``git bisect run python -m harness.bisect check <id>``.
 
-Trials run in one warm pool; each is logged as a JSON line; the end is one line, ``result.json``
-and the command that reproduces the minimal cell. Then the minimal cell runs once more with events
+Trials run in one warm pool; each is logged as a JSON line; the end is the minimal cell, the command
+that reproduces it and where ``result.json`` and ``trials.jsonl`` went (``.paritytest/bisect`` in
+the project's rootdir, which git ignores, or ``--out``). Then the minimal cell runs once more with events
 recorded in the reference and in the implementation (:mod:`harness.events`, :mod:`.localise`):
 the first event that diverges, and where the divergence starts (the first event whose inputs
 match the reference and whose outputs do not).

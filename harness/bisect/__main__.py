@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
 
 from ..config import Config, ConfigError
+from ..commands import harness_command, shown
 from ..pool.parent import Pool, shared_pool
 from ..project import Project, load
 from ..screen import fitted
@@ -26,6 +26,11 @@ EPILOG = """exit codes:
   4    budget exhausted (--max-trials, --max-seconds); the best config so far is reported
   125  check: the cell cannot run here (its rules, its implementation's skip, the pool size)
 """
+# the harness's own files in a project, beside pytest's .pytest_cache under the rootdir; bisect's go
+# in its bisect/ (--out elsewhere). Created with a .gitignore of "*", as hypothesis does .hypothesis/.
+HOME = ".paritytest"
+GITIGNORE = ("# Created by paritytest: what it writes here (bisect's results) is not for version control.\n"
+             "# Delete this file to commit it; it is written again only if .paritytest is deleted.\n*\n")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("target", help="a config id, or a component name to bisect its first failing cell")
     run.add_argument("--max-trials", type=int, default=40, help="trials at most (default 40)")
     run.add_argument("--max-seconds", type=float, default=120.0, help="seconds at most (default 120)")
-    run.add_argument("--out", default="bisect-out", help="where trials.jsonl and result.json go (default bisect-out)")
+    run.add_argument("--out", help=f"where trials.jsonl and result.json go (default {HOME}/bisect in the project's "
+                                    "rootdir, as pytest finds it from here; gitignored)")
     check = sub.add_parser("check", help="exit 0 if the cell matches, 1 if it diverges, 125 if it cannot run here",
                            formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     check.add_argument("target", help="a config id")
@@ -49,12 +55,32 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _usage(message: str) -> int:
-    print(f"python -m harness.bisect: error: {message}", file=sys.stderr)
+    print(fitted(f"python -m harness.bisect: error: {message}"), file=sys.stderr)
     return EXIT["usage"]
 
 
 def _reproduce(cfg: Config) -> str:
-    return f"{shlex.quote(sys.executable)} -m harness.bisect check {cfg.id}"
+    """The command that checks ``cfg`` again, typed where bisect was, its interpreter named as a
+    failing cell's ``reproduce:`` line names it (:mod:`harness.commands`)."""
+    return harness_command("bisect", "check", cfg.id)
+
+
+def _out(args, project: Project) -> Path:
+    """Where bisect writes: ``--out``, else ``.paritytest/bisect`` in the project's rootdir (the
+    ``.paritytest`` directory made with its ``.gitignore`` when it is new)."""
+    if args.out is not None:
+        out = Path(args.out)
+    else:
+        home = project.rootdir / HOME
+        try:
+            home.mkdir(parents=True)
+        except FileExistsError:
+            pass
+        else:
+            (home / ".gitignore").write_text(GITIGNORE)
+        out = home / "bisect"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def check(args, project: Project) -> int:
@@ -68,7 +94,7 @@ def check(args, project: Project) -> int:
     finally:
         pool.close()
     kind = trial.signature.kind
-    print(f"{cfg.id}: {trial.signature}")
+    print(fitted(f"{cfg.id}: {trial.signature}"))
     if kind in ("skip", "invalid"):
         return EXIT["skip"]
     return EXIT["bad"] if trial.signature.failed else EXIT["good"]
@@ -82,24 +108,25 @@ def run(args, project: Project) -> int:
         cells = project.cells_of(args.target) if original is None else []
     except ConfigError as error:
         return _usage(str(error))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _out(args, project)
     pool = shared_pool(size=args.pool_size, deadline=args.case_deadline)
     started = time.monotonic()
     with open(out / "trials.jsonl", "w") as log:
         trials = Trials(None if args.oracle else pool, log, args.max_trials, args.max_seconds, args.oracle or None)
         try:
-            return _bisect(args, original, cells, trials, out, started)
+            code = _bisect(args, original, cells, trials, out, started)
         except Budget as spent:
             best = trials.best
             _write_result(out, {"verdict": "budget exhausted", "budget": str(spent), "best": best and best.id,
                                 "trials": trials.count})
-            print(f"\nbudget exhausted after {spent}; best so far: {best.id if best else 'none'}")
-            return EXIT["budget"]
+            print("\n" + fitted(f"budget exhausted after {spent}; best so far: {best.id if best else 'none'}"))
+            code = EXIT["budget"]
         except ConfigError as error:
             return _usage(str(error))
         finally:
             pool.close()
+    print(fitted(f"wrote {shown(out / 'result.json')} and trials.jsonl beside it"))
+    return code
 
 
 def _first_failing(cells: list[Config], trials: Trials) -> Config | None:
@@ -113,20 +140,20 @@ def _bisect(args, original: Config | None, cells: list[Config], trials: Trials, 
     if original is None:
         original = _first_failing(cells, trials)
         if original is None:
-            print(f"every {args.target} cell collected here matches the reference")
+            print(fitted(f"every {args.target} cell collected here matches the reference"))
             _write_result(out, {"verdict": "no divergence", "component": args.target})
             return EXIT["good"]
-        print(f"first failing {args.target} cell: {original.id}", file=sys.stderr)
+        print(fitted(f"first failing {args.target} cell: {original.id}"), file=sys.stderr)
     first, second = trials.run(original), trials.run(original)
     if not first.signature.failed:
         verdict = "no divergence" if first.signature.kind == "match" else "not run"  # a skip: nothing was compared
-        print(f"{original.id}: {verdict} ({first.signature})")
+        print(fitted(f"{original.id}: {verdict} ({first.signature})"))
         _write_result(out, {"verdict": verdict, "original": original.id})
         return EXIT["good"] if first.signature.kind == "match" else EXIT["skip"]
     if not trials.same(first, second):
-        print(f"{original.id} is nondeterministic: run 1 gave {first.signature}, run 2 gave {second.signature}"
-              + ("" if first.signature != second.signature else " with results that differ beyond tolerance")
-              + "; not bisected")
+        print(fitted(f"{original.id} is nondeterministic: run 1 gave {first.signature}, run 2 gave {second.signature}"
+                     + ("" if first.signature != second.signature else " with results that differ beyond tolerance")
+                     + "; not bisected"))
         _write_result(out, {"verdict": "nondeterministic", "original": original.id,
                             "runs": [str(first.signature), str(second.signature)]})
         return EXIT["nondeterministic"]

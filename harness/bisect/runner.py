@@ -16,6 +16,7 @@ from ..config import Config, ConfigError
 from ..layout import AssemblyError
 from ..pool.parent import CaseFailure, Pool, PoolError
 from ..registry import check_config, get
+from ..screen import WIDTH, fitted
 from ..world import split_nothing
 from .shrink import Budget
 from .signature import Signature, of_report
@@ -105,9 +106,12 @@ class Trials:
             width = 24
             done = min(width, round(width * self.count / max(1, self.max_trials)))
             bar = "#" * done + "." * (width - done)
-            best = f" best: {self.best.id}" if self.best else ""
-            print(f"\r[{bar}] {self.count:>3}/{self.max_trials} {elapsed:6.1f}s {trial.signature.kind:<9}"
-                  f"{trial.cfg.id}{best}", file=sys.stderr, flush=True)
+            line = (f"[{bar}] {self.count:>3}/{self.max_trials} {elapsed:6.1f}s {trial.signature.kind:<9}"
+                    f"{trial.cfg.id}")
+            best = f"best: {self.best.id}" if self.best else ""
+            if best:  # on the same line where both fit the screen, else on its own, as fitted() continues one
+                line += f" {best}" if len(line) + 1 + len(best) <= WIDTH else f"\n  {best}"
+            print("\r" + fitted(line), file=sys.stderr, flush=True)
 
     def same(self, first: Trial, second: Trial) -> bool:
         """Two runs of one config agree: the same kind of failure in the same tensors, and results

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from ..bisect.runner import Trial, Trials
 from ..bisect.shrink import Budget as SearchBudget
 from ..bisect.shrink import Search
 from ..bisect.signature import Signature
+from ..commands import harness_command
 from ..config import Config
 from ..pool.parent import Pool
 from ..screen import fitted
@@ -100,7 +100,7 @@ class Exploration:
             stop = f" (stopped at {self.budget})" if self.budget else ""
             ignored = f"; {len(self.others)} diverged only in --ignore tensors" if self.others else ""
             return f"{self.target}: nothing found in {self.trials} trials, {self.seconds:.1f} s{stop}{ignored}"
-        cfg, python = self.minimal, shlex.quote(sys.executable)
+        cfg = self.minimal
         origin = f"replayed from the example database {database}" if self.replayed else "drawn"
         lines = [fitted(f"{self.target}: found {cfg.id} fails with {self.signature}"),
                  f"  first failure {origin} at trial {self.found_trial}, {self.found_seconds:.1f} s: {self.first.id}",
@@ -110,8 +110,8 @@ class Exploration:
         if self.localisation is not None:
             lines.append("  " + self.localisation.summary().replace("\n", "\n  "))
         where = f"in {modules[0]}" if modules else "in the test module that parametrizes these cells"
-        lines += [f"reproduce: {python} -m harness.bisect check {cfg.id}",
-                  f"bisect it: {python} -m harness.bisect run {cfg.id}",
+        lines += [f"reproduce: {harness_command('bisect', 'check', cfg.id)}",
+                  f"bisect it: {harness_command('bisect', 'run', cfg.id)}",
                   f'add it to the matrix {where}: CELLS.append(Config.parse("{cfg.id}"))  '
                   "(from harness.config import Config)"]
         return "\n".join(lines)

@@ -16,10 +16,10 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
+from ..commands import rerun_command
 from ..config import Config, ConfigError
 from .store import GoldenError, golden_path, read_golden, update_command
 
@@ -300,9 +300,7 @@ def check(root: Path, golden_dir: Path, paths: list[str]) -> CheckResult:
 
 def _command(root: Path, nodeid: str) -> str:
     """The command that reruns a cell, as a failing cell's ``reproduce:`` line says it."""
-    from ..fixture import rerun_command
-
-    return rerun_command(SimpleNamespace(rootpath=root), nodeid)
+    return rerun_command(root, nodeid)
 
 
 GAP_NOTE = ("a cell that diverges from the reference (or hangs, or crashes) writes no golden file, with "
