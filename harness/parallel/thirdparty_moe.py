@@ -102,6 +102,8 @@ HF_MOE_KNOWN = {
 
 
 def hf_moe_xfail(cfg: Config) -> str | None:
-    """moe cells the pinned transformers is known to get wrong, with the upstream behaviour."""
+    """moe cells the pinned transformers is known to get wrong, with the upstream behaviour. Both
+    are bf16 rounding in the model's own kernels: seen red on earlier CI machines, green on an AVX2 one
+    (``torch.backends.cpu.get_cpu_capability()``), so they are not strict."""
     known = HF_MOE_KNOWN.get(cfg.id)
-    return declared("transformers", known) if known else None
+    return declared("transformers", known, strict=False) if known else None
