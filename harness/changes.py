@@ -75,7 +75,7 @@ def import_graph(root: Path) -> dict[str, set[str]]:
             graph[name] = set()
             continue
         package = name if file.endswith("__init__.py") else name.rpartition(".")[0]
-        graph[name] = {found for target in _targets(tree, package) if (found := _known(target, known))}
+        graph[name] = {found for target in _targets(tree, package) for found in _known(target, known)}
     return graph
 
 
@@ -92,13 +92,11 @@ def _targets(tree: ast.AST, package: str) -> list[str]:
     return out
 
 
-def _known(dotted: str, known) -> str | None:
-    """The longest prefix of ``dotted`` that is a module of the checkout."""
+def _known(dotted: str, known) -> list[str]:
+    """The modules of the checkout that importing ``dotted`` runs: each prefix of it that is one (a
+    package's ``__init__`` runs for any module under it)."""
     parts = dotted.split(".")
-    for end in range(len(parts), 0, -1):
-        if ".".join(parts[:end]) in known:
-            return ".".join(parts[:end])
-    return None
+    return [".".join(parts[:end]) for end in range(1, len(parts) + 1) if ".".join(parts[:end]) in known]
 
 
 def reached_from(graph: dict[str, set[str]], roots, skip=()) -> set[str]:

@@ -11,10 +11,14 @@ from pathlib import Path
 
 
 def shown(path: Path | str, where: Path | None = None) -> str:
-    """``path`` as typed in ``where`` (default: here): relative when it lies under it."""
-    path, where = Path(os.path.abspath(path)), Path(where or Path.cwd()).resolve()
+    """``path`` as typed in ``where`` (default: here): relative when it lies under it. Its directories
+    are compared as they really are, the file itself as named (a venv's ``python`` is a link out of
+    the project)."""
+    path = Path(os.path.abspath(path))
+    path = Path(os.path.realpath(path.parent)) / path.name
+    where = Path(os.path.realpath(where or Path.cwd()))
     try:
-        return os.path.relpath(path, where) if path.resolve().is_relative_to(where) else str(path)
+        return os.path.relpath(path, where) if path.is_relative_to(where) else str(path)
     except ValueError:  # another drive
         return str(path)
 

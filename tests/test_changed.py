@@ -1,7 +1,7 @@
 """``pytest cases/ --changed REF`` on real changes to this repository, made in a clone of it (the
 command a pull request's gate runs, in a subprocess): a change to ``harness/parallel/moe.py`` selects
-the MoE and composed cells and nothing else; one to the harness's machinery (``harness/cell.py``)
-every cell; a changed golden file its own cell; a docs-only change no cell; a ref git does not know
+the MoE and composed cells and nothing else; one to the harness's machinery (``harness/cell.py``, or
+a package's ``__init__`` that runs for it) every cell; a changed golden file its own cell; a docs-only change no cell; a ref git does not know
 is a usage error naming the fix."""
 import re
 import subprocess
@@ -67,6 +67,18 @@ def test_a_change_to_the_machinery_selects_every_cell(clone):
         undo()
     assert cells == every and len(every) >= 8, (cells, every)
     assert "the harness's machinery among them (harness.cell): every cell" in out
+
+
+def test_a_package_init_runs_for_every_module_under_it(clone):
+    """``harness/meshes/__init__.py`` runs whenever ``harness.meshes.device_mesh`` is imported (by the
+    pool's ranks): a change to it is a change to the machinery."""
+    every, _ = selected(clone)
+    undo = changing(clone, "harness/meshes/__init__.py")
+    try:
+        cells, _ = selected(clone, "--changed", "HEAD")
+    finally:
+        undo()
+    assert cells == every
 
 
 def test_a_changed_golden_selects_its_cell_and_docs_select_none(clone):
