@@ -13,8 +13,7 @@ torchrun's runner, the plugin, and what they import) is every cell's. So from th
 The import graph is read from the checkout's Python files with ``ast`` (every ``import``, at module
 level or in a function); import paths in strings are not edges, which is why the component table
 (``harness/components.py``) is not followed from the machinery: it names each component's code, and a
-change to it selects only the components whose entries it touches (all of them, conservatively,
-being one module). docs/ci.md says what this can miss and how the nightly full run covers it.
+change to it selects every cell (conservatively: it is one module for all of them). docs/ci.md says what this can miss and how the nightly full run covers it.
 """
 from __future__ import annotations
 
@@ -131,7 +130,10 @@ class Changes:
         self.graph = import_graph(root)
         changed = {module_of(f) for f in self.files} - {None}
         self.changed_modules = changed & set(self.graph)
-        self.everything = bool(self.changed_modules & reached_from(self.graph, MACHINERY, skip=TABLES))
+        # the table names every component's code by path, which no import edge follows: a change to it
+        # moves every cell
+        self.core = reached_from(self.graph, MACHINERY, skip=TABLES) | set(TABLES)
+        self.everything = bool(self.changed_modules & self.core)
         self.goldens = {str((root / f).resolve()) for f in self.files if f.endswith(".safetensors")}
         self.golden_dir = golden_dir
         self._moved: dict[str, bool] = {}
@@ -162,7 +164,7 @@ class Changes:
         """One line for the run's header."""
         if self.everything:
             return (f"--changed: {len(self.files)} files changed, the harness's machinery among them "
-                    f"({', '.join(sorted(self.changed_modules & reached_from(self.graph, MACHINERY, skip=TABLES))[:3])}): "
+                    f"({', '.join(sorted(self.changed_modules & self.core)[:3])}): "
                     "every cell")
         return (f"--changed: {len(self.files)} files changed ({len(self.changed_modules)} modules, "
                 f"{len(self.goldens)} golden files): the cells they can move")

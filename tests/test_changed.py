@@ -69,6 +69,17 @@ def test_a_change_to_the_machinery_selects_every_cell(clone):
     assert "the harness's machinery among them (harness.cell): every cell" in out
 
 
+def test_a_change_to_the_component_table_selects_every_cell(clone):
+    """``harness/components.py`` names every component's code by path (no import edge): all cells."""
+    every, _ = selected(clone)
+    undo = changing(clone, "harness/components.py")
+    try:
+        cells, out = selected(clone, "--changed", "HEAD")
+    finally:
+        undo()
+    assert cells == every and "(harness.components): every cell" in out, out[-2000:]
+
+
 def test_a_package_init_runs_for_every_module_under_it(clone):
     """``harness/meshes/__init__.py`` runs whenever ``harness.meshes.device_mesh`` is imported (by the
     pool's ranks): a change to it is a change to the machinery."""
