@@ -46,13 +46,18 @@ def changing(clone: Path, path: str, text: str = "\n# a change\n"):
     return lambda: file.write_bytes(before)
 
 
-def test_a_change_to_the_moe_component_selects_its_cells_and_the_composed_models(clone):
-    every, _ = selected(clone)
-    undo = changing(clone, "harness/parallel/moe.py")
+def selected_after(clone: Path, path: str) -> tuple[Counter, str]:
+    """:func:`selected` with ``--changed HEAD`` after a change to ``path``, undone after."""
+    undo = changing(clone, path)
     try:
-        cells, out = selected(clone, "--changed", "HEAD")
+        return selected(clone, "--changed", "HEAD")
     finally:
         undo()
+
+
+def test_a_change_to_the_moe_component_selects_its_cells_and_the_composed_models(clone):
+    every, _ = selected(clone)
+    cells, out = selected_after(clone, "harness/parallel/moe.py")
     assert set(cells) == {"moe", "composed"}, (cells, out[-2000:])
     assert cells["moe"] == every["moe"] and cells["composed"] == every["composed"]
     assert "--changed: 1 files changed (1 modules, 0 golden files)" in out
@@ -60,11 +65,7 @@ def test_a_change_to_the_moe_component_selects_its_cells_and_the_composed_models
 
 def test_a_change_to_the_machinery_selects_every_cell(clone):
     every, _ = selected(clone)
-    undo = changing(clone, "harness/cell.py")
-    try:
-        cells, out = selected(clone, "--changed", "HEAD")
-    finally:
-        undo()
+    cells, out = selected_after(clone, "harness/cell.py")
     assert cells == every and len(every) >= 8, (cells, every)
     assert "the harness's machinery among them (harness.cell): every cell" in out
 
@@ -72,11 +73,7 @@ def test_a_change_to_the_machinery_selects_every_cell(clone):
 def test_a_change_to_the_component_table_selects_every_cell(clone):
     """``harness/components.py`` names every component's code by path (no import edge): all cells."""
     every, _ = selected(clone)
-    undo = changing(clone, "harness/components.py")
-    try:
-        cells, out = selected(clone, "--changed", "HEAD")
-    finally:
-        undo()
+    cells, out = selected_after(clone, "harness/components.py")
     assert cells == every and "(harness.components): every cell" in out, out[-2000:]
 
 
@@ -84,11 +81,7 @@ def test_a_package_init_runs_for_every_module_under_it(clone):
     """``harness/meshes/__init__.py`` runs whenever ``harness.meshes.device_mesh`` is imported (by the
     pool's ranks): a change to it is a change to the machinery."""
     every, _ = selected(clone)
-    undo = changing(clone, "harness/meshes/__init__.py")
-    try:
-        cells, _ = selected(clone, "--changed", "HEAD")
-    finally:
-        undo()
+    cells, _ = selected_after(clone, "harness/meshes/__init__.py")
     assert cells == every
 
 
