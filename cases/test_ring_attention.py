@@ -14,7 +14,7 @@ import pytest
 
 from harness.config import ConfigError
 from harness.matrix import cells, design
-from harness.registry import check_config
+from harness.resolve import check_config
 from reference.ring_attention import SIZES
 
 MESHES = ["cp=1", "cp=2", "cp=3", "cp=4", "cp=8", "dp=2,cp=2", "cp=2,tp=2", "cp=4,tp=2"]

@@ -37,9 +37,9 @@ import tempfile
 import time
 
 from .cell import assemble_result, parity, run_cell
-from .config import Config
+from .config import Config, ConfigError
 from .pool.parent import Pool
-from .registry import check_config, get
+from .resolve import resolve
 from reference.checkpoint import SIZES as CKPT_SIZES
 
 TP_MLP = Config("tp", "ours", {"tp": 4}, "fp32", dict(b=4, s=8, h=16, f=32, v=40), {"op": "mlp"})
@@ -142,13 +142,11 @@ def _spawned_rank(rank: int, world: int, store_path: str, cfg: Config, out) -> N
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
-    check_config(cfg)
-    component = get(cfg.component)
-    extra = tuple(component.extra_meshes(cfg))
+    cell = resolve(cfg)
     meshes: dict = {}
-    build_meshes(meshes, (cfg.mesh, *extra), "gloo")
-    ctx = context(rank, cfg.mesh, extra, meshes, torch.device("cpu"), "gloo", "")
-    pieces = load(component.implementations[cfg.impl].run)(ctx, cfg)
+    build_meshes(meshes, (cfg.mesh, *cell.meshes), "gloo")
+    ctx = context(rank, cfg.mesh, cell.meshes, meshes, torch.device("cpu"), "gloo", "")
+    pieces = load(cell.impl.run)(ctx, cfg)
     out.send_bytes(pickle.dumps(pieces))  # plain pickle, as the pool sends results
     dist.destroy_process_group()
 
@@ -167,8 +165,7 @@ def spawn_per_test(cfg: Config) -> None:
             p.join()
             if p.exitcode:
                 raise RuntimeError(f"spawned rank exited with {p.exitcode}")
-    check_config(cfg)
-    _, report = parity(cfg, get(cfg.component), assemble_result(cfg, pieces))
+    _, report = parity(resolve(cfg), assemble_result(cfg.mesh, pieces))
     assert report.ok, report.table()
 
 
@@ -213,10 +210,11 @@ def main(argv=None) -> dict:
     cell_repeats = max(20, args.repeats // 10)
     cell_ms = {}
     for name, cfg in CELLS.items():
-        check_config(cfg)
-        reason = get(cfg.component).implementations[cfg.impl].skip_reason(cfg)
-        if reason:
-            print(f"cell {name:<20} skipped: {reason}", file=sys.stderr)
+        disposition = resolve(cfg).disposition
+        if disposition.kind == "invalid":
+            raise ConfigError(disposition.reason)
+        if disposition.kind == "skip":
+            print(f"cell {name:<20} skipped: {disposition.reason}", file=sys.stderr)
             continue
         run_cell(cfg, pool)  # warm: reference computed, groups cached, modules imported
         cell_ms[name] = _median_ms(lambda: run_cell(cfg, pool), cell_repeats)

@@ -9,11 +9,11 @@ import torch
 
 from .compare.diff import Report, compare
 from .compare.tolerance import Tolerances
-from .config import Config
+from .config import Config, ConfigError
 from .golden.store import GoldenError, MissingGolden, golden_path, metadata, read_golden, update_command, write_golden
 from .layout import AssemblyError, MeshLayout, assemble
-from .names import NOT_JUDGED, parse
-from .registry import Component, Diagnosis, check_config, get
+from .names import parse
+from .resolve import Cell, NotJudged, as_cell  # noqa: F401  (NotJudged: where callers have always found it)
 from .screen import TABLE_ROWS, WIDTH, first_line, fitted
 
 
@@ -36,12 +36,6 @@ class Divergence(AssertionError):
         return "nan" if any(r.problem == "nan/inf" for r in rows) else "mismatch"
 
 
-class NotJudged(Exception):
-    """A cell its reference cannot judge (a model that draws random numbers in training mode): not a
-    divergence and not a match. The message says why and what to change; pytest skips the cell with
-    it, bisect and exploration count it as a skip."""
-
-
 @dataclass
 class CellOutcome:
     cfg: Config
@@ -55,104 +49,63 @@ class CellOutcome:
     result: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-_references: dict[tuple, dict[str, torch.Tensor]] = {}
-
-
-def reference_for(cfg: Config, pool=None, calibration: bool = False) -> dict[str, torch.Tensor] | None:
-    """The reference result of ``cfg``'s problem (:attr:`Config.problem`), computed in a world of one
-    by ``pool`` (on a rank beside its own; under torchrun on rank 0) or here without one (bisect, bench).
-    Kept per process for every mesh and implementation of the problem: the reference is handed the
-    problem alone and sees one process, so it is the same computation for all of them.
-    ``calibration``: instead, the same on one process in the cell's dtype (``Component.calibration``;
-    None where the component has none or the cell is fp64, where it is the reference itself).
-    Raises :class:`NotJudged` when the reference says it cannot judge (a model that draws random numbers)."""
-    component = get(cfg.component)
-    path = component.calibration if calibration else component.reference
-    if path is None or (calibration and cfg.dtype == "fp64"):
-        return None
-    key = (*cfg.problem_key, "calibration") if calibration else cfg.problem_key
-    if key not in _references:
-        check_config(cfg)
-        if pool is None:
-            _references[key] = (component.calibration_result if calibration else component.reference_result)(cfg)
-        else:
-            _references[key] = pool.alone("harness.pool.tasks:reference", (path, cfg.problem), cfg.problem.mesh,
-                                          seed=cfg.seed, label=f"{cfg.id} (its reference)",
-                                          deadline=cell_deadline(pool, component))
-    result = _references[key]
-    if NOT_JUDGED in result:
-        raise NotJudged(result[NOT_JUDGED])
-    return result
-
-
-def assemble_result(cfg: Config, pieces: dict[int, dict]) -> dict:
-    """Every rank's named pieces -> logical tensors (:class:`Assembled`), by name."""
+def assemble_result(mesh, pieces: dict[int, dict]) -> dict:
+    """Every rank's named pieces on ``mesh`` -> logical tensors (:class:`Assembled`), by name."""
     names = set(pieces[0])
     for rank, got in pieces.items():
         if set(got) != names:
             raise AssemblyError(f"rank {rank} returned {sorted(got)}, rank 0 returned {sorted(names)}")
-    layout = MeshLayout.of(cfg.mesh)
+    layout = MeshLayout.of(mesh)
     return {name: assemble(name, {r: pieces[r][name] for r in pieces}, layout) for name in sorted(names)}
 
 
-def tolerances_for(cfg: Config, pool=None) -> Tolerances:
-    """The tolerance policy of ``cfg``'s cell: its reduction size, its reference's families and its
-    one-process rounding (:mod:`harness.compare.tolerance`), computed in ``pool`` if given."""
-    return Tolerances(cfg.dtype, get(cfg.component).reduction_size(cfg), reference_for(cfg, pool),
-                      reference_for(cfg, pool, calibration=True))
-
-
-def parity(cfg: Config, component: Component, assembled: dict, pool=None) -> tuple[Tolerances, Report]:
+def parity(cell: Cell, assembled: dict, pool=None) -> tuple[Tolerances, Report]:
     """The assembled result against the reference (computed in ``pool`` if given), under the tolerance policy."""
-    tol = tolerances_for(cfg, pool)
-    omits = component.implementations[cfg.impl].omits
-    expected = {name: t for name, t in reference_for(cfg, pool).items() if name not in omits}
+    tol = cell.tolerances(pool)
+    omits = cell.impl.omits
+    expected = {name: t for name, t in cell.reference(pool).items() if name not in omits}
     return tol, compare(assembled, expected, tol)
 
 
-def run_pieces(cfg: Config, pool, component: Component, scratch: str | None = None) -> dict[int, dict] | None:
+def run_pieces(cell: Cell, pool, scratch: str | None = None) -> dict[int, dict] | None:
     """Run the cell's implementation on the ranks of its mesh: each rank's named pieces.
 
     ``pool`` is the warm pool, or under torchrun this process's rank runner
     (:class:`harness.torchrun.runner.RankRunner`, the same ``run`` signature), which runs this
     rank's part in-process and returns the pieces on rank 0 only (None elsewhere).
     """
-    run = component.implementations[cfg.impl].run
-    return pool.run(run, cfg, cfg.mesh, seed=cfg.seed, label=cfg.id, extra_meshes=component.extra_meshes(cfg),
-                    deadline=cell_deadline(pool, component), scratch=scratch)
+    cfg = cell.cfg
+    return pool.run(cell.impl.run, cfg, cfg.mesh, seed=cfg.seed, label=cfg.id, extra_meshes=cell.meshes,
+                    deadline=cell.deadline(pool), scratch=scratch)
 
 
-def cell_deadline(pool, component: Component) -> float | None:
-    """The deadline of one of ``component``'s cells in ``pool``: the pool's times the component's
-    ``deadline_factor`` (None: the pool's own)."""
-    deadline = getattr(pool, "deadline", None)
-    return deadline * component.deadline_factor if deadline and component.deadline_factor != 1.0 else None
-
-
-def outcome_of(cfg: Config, component: Component, pieces: dict[int, dict], pool=None) -> CellOutcome:
+def outcome_of(cell: Cell, pieces: dict[int, dict], pool=None) -> CellOutcome:
     """Every rank's pieces -> the logical result and its parity report against the reference
-    (computed beside ``pool`` when given: :func:`reference_for`)."""
-    assembled = assemble_result(cfg, pieces)
-    outcome = CellOutcome(cfg, *parity(cfg, component, assembled, pool))
+    (computed beside ``pool`` when given)."""
+    assembled = assemble_result(cell.cfg.mesh, pieces)
+    outcome = CellOutcome(cell.cfg, *parity(cell, assembled, pool))
     outcome.result = {name: a.tensor for name, a in assembled.items()}
     return outcome
 
 
-def execute(cfg: Config, pool, scratch: str | None = None) -> CellOutcome:
+def execute(cell: Cell | Config, pool, scratch: str | None = None) -> CellOutcome:
     """Run the cell in the pool and compare it with the reference, without judging: the outcome
     holds the parity report and the logical result whether or not they match. ``scratch``: the
-    directory the cell's ranks share (the pool's own, removed after it, when None)."""
-    check_config(cfg, pool.size)
-    component = get(cfg.component)
-    reference_for(cfg, pool)  # first: a reference that cannot judge the cell says so before the ranks run it
-    return outcome_of(cfg, component, run_pieces(cfg, pool, component, scratch), pool)
+    directory the cell's ranks share (the pool's own, removed after it, when None). Raises
+    :class:`ConfigError` for an invalid cell; skips and declared divergences are the caller's to decide."""
+    cell = as_cell(cell, pool.size)
+    if cell.disposition.kind == "invalid":
+        raise ConfigError(cell.disposition.reason)
+    cell.reference(pool)  # first: a reference that cannot judge the cell says so before the ranks run it
+    return outcome_of(cell, run_pieces(cell, pool, scratch), pool)
 
 
-def run_cell(cfg: Config, pool, *, golden_dir: Path | None = None, update_golden: bool = False,
+def run_cell(cell: Cell | Config, pool, *, golden_dir: Path | None = None, update_golden: bool = False,
              missing_golden: str = "write", rerun: str = "", diagnose: bool = True,
              scratch: str | None = None) -> CellOutcome:
     """Parity with the reference first (the gate), then the golden file (drift over time).
 
+    ``cell``: resolved (:func:`harness.resolve.resolve`), or a config to resolve against the pool.
     ``pool``: the warm pool, or under torchrun rank 0's runner (the same ``run``).
     ``missing_golden``: ``"write"`` records a missing golden from a run that matches the reference
     (the cell passes, ``golden_status`` says ``written``); ``"fail"`` fails the cell (CI).
@@ -161,8 +114,10 @@ def run_cell(cfg: Config, pool, *, golden_dir: Path | None = None, update_golden
     ``scratch``: the directory the cell's ranks share (``harness.model.cell_dir()``).
     """
     start = time.perf_counter()
-    outcome = execute(cfg, pool, scratch)
-    diagnosis: Diagnosis = get(cfg.component).diagnosis(cfg, pool, outcome.parity, rerun=diagnose)
+    cell = as_cell(cell, pool.size)
+    cfg = cell.cfg
+    outcome = execute(cell, pool, scratch)
+    diagnosis = cell.diagnose(pool, outcome.parity, rerun=diagnose)
     outcome.record = diagnosis.record
     reproduce = f"reproduce: {rerun}" if rerun else f"config: {cfg.id}"
     if not outcome.parity.ok:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from .commands import rerun_command
-from .config import Config, ConfigError
+from .config import Config
 
 PROPERTY = "parity"
 
@@ -65,39 +65,32 @@ class CellCheck:
             self.request.node.user_properties.append((PROPERTY, json.dumps(record, sort_keys=True)))
 
     def _checked(self, cfg: Config, record: dict):
-        from .registry import check_config, get, ranks_needed
+        from .resolve import resolve
 
         start = time.perf_counter()
         outcome = None
-        try:
-            check_config(cfg, None if self.runner else self.pool.size)
-            component = get(cfg.component)
-            need = ranks_needed(cfg)
-        except ConfigError as error:
-            failure, record["kind"] = f"invalid config: {error}", "invalid"
+        pool_size, job_size = (None, self.runner.size) if self.runner else (self.pool.size, None)
+        cell = resolve(cfg, pool_size, job_size)
+        disposition = cell.disposition
+        if disposition.kind == "invalid":
+            failure, record["kind"] = f"invalid config: {disposition.reason}", "invalid"
         else:
-            impl = component.implementations[cfg.impl]
-            reason = impl.skip_reason(cfg)
-            if reason is None and self.runner is not None and need > self.runner.size:
-                reason = (f"needs {need} ranks and this torchrun job has {self.runner.size}: launch at least {need} "
-                          "(--nnodes x --nproc-per-node)")
-            if reason:
+            if disposition.kind == "skip":
                 record["status"] = "skipped"
-                pytest.skip(reason)
-            known = impl.xfail_reason(cfg)
-            if known:  # runs in full: a divergence is the expected outcome, a match means upstream changed
-                record["expected"] = known
-                strict = getattr(known, "strict", True)
-                after = (f"If this cell passes (XPASS), the upstream behaviour changed: remove its entry from {impl.xfail}"
-                         if strict else "Whether it shows depends on this machine's kernels: it may pass here (XPASS)")
-                self.request.applymarker(pytest.mark.xfail(strict=strict, reason=f"known divergence of {cfg.impl}: "
-                                                                                 f"{known}. {after}"))
+                pytest.skip(disposition.reason)
+            if disposition.kind == "xfail":  # runs in full: a divergence is expected, a match means upstream changed
+                record["expected"] = disposition.reason
+                after = (f"If this cell passes (XPASS), the upstream behaviour changed: remove its entry from "
+                         f"{cell.impl.xfail}" if disposition.strict
+                         else "Whether it shows depends on this machine's kernels: it may pass here (XPASS)")
+                self.request.applymarker(pytest.mark.xfail(
+                    strict=disposition.strict, reason=f"known divergence of {cfg.impl}: {disposition.reason}. {after}"))
             if self.runner is None:
-                failure, outcome = self.judge(cfg, self.pool, record, start)
+                failure, outcome = self.judge(cell, self.pool, record, start)
             else:
                 from .torchrun.plugin import on_ranks
 
-                failure, outcome = on_ranks(self, cfg, self.runner, record, start)
+                failure, outcome = on_ranks(self, cell, self.runner, record, start)
         record["seconds"] = record.get("seconds") or round(time.perf_counter() - start, 4)
         if failure is not None:  # outside the except block: the report shows our message, no chain
             pytest.fail(failure, pytrace=False)
@@ -105,8 +98,8 @@ class CellCheck:
             pytest.skip(record["reason"])
         return outcome
 
-    def judge(self, cfg: Config, pool, record: dict, start: float):
-        """Run the cell through ``pool`` (the warm pool, or rank 0's runner) and judge it: the failure
+    def judge(self, cell, pool, record: dict, start: float):
+        """Run the resolved ``cell`` (:class:`harness.resolve.Cell`) through ``pool`` (the warm pool, or rank 0's runner) and judge it: the failure
         text or None, and the outcome; the record is filled in either way."""
         from .cell import Divergence, NotJudged, run_cell
         from .golden.store import GoldenError
@@ -120,7 +113,7 @@ class CellCheck:
         try:
             scratch = pool.new_scratch()
             # a declared divergence (strict xfail) does not pay for the re-run that localises it
-            outcome = run_cell(cfg, pool, golden_dir=self.golden_dir, update_golden=opt("--update-golden"),
+            outcome = run_cell(cell, pool, golden_dir=self.golden_dir, update_golden=opt("--update-golden"),
                                missing_golden="fail" if opt("--strict-golden") else "write", rerun=rerun,
                                diagnose="expected" not in record, scratch=scratch)
         except Divergence as error:

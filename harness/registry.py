@@ -20,6 +20,7 @@ sequence of :class:`Component` values (``mylib.parity:COMPONENTS``) or a functio
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
@@ -47,10 +48,15 @@ class Implementation:
     # TP-only plan on a dp mesh): such cells are invalid for it, not skipped
     validate: str | None = None
 
+    # what skip and xfail say of a cell is its disposition (harness.resolve.resolve(cfg).disposition);
+    # these are the old spellings, kept for a release
+
     def skip_reason(self, cfg: Config) -> str | None:
+        _renamed("Implementation.skip_reason(cfg)", "harness.resolve.resolve(cfg).disposition")
         return load(self.skip)(cfg) if self.skip else None
 
     def xfail_reason(self, cfg: Config) -> str | None:
+        _renamed("Implementation.xfail_reason(cfg)", "harness.resolve.resolve(cfg).disposition")
         return load(self.xfail)(cfg) if self.xfail else None
 
 
@@ -125,50 +131,78 @@ class Component:
     # the rounding a right run makes (harness.compare.tolerance); None: the policy without it
     calibration: str | None = None
 
-    def exploration_space(self) -> Space | None:
-        """The space exploration draws from: ``space``, or what its path returns."""
-        return load(self.space)() if isinstance(self.space, str) else self.space
-
     def switch_values(self) -> dict[str, tuple[str, ...]]:
         """Every value of every switch exploration draws: ``simplest``'s order where it gives one,
         else ``space``'s (``space``'s alone where it says ``only_these``)."""
-        space = self.exploration_space()
+        space = space_of(self)
         if space is not None and space.only_these:
             return dict(space.switches)
         return {**(space.switches if space else {}), **self.simplest}
 
+    # What a path field gives for one cell is the resolved cell's member of the same name
+    # (harness.resolve.Cell); these methods are the old spellings, kept for a release.
+
+    def exploration_space(self) -> Space | None:
+        _renamed("Component.exploration_space()", "harness.registry.space_of(component)")
+        return space_of(self)
+
     def check(self, cfg: Config) -> None:
-        if cfg.impl not in self.implementations:
-            raise ConfigError(
-                f"{cfg.id}: no implementation {cfg.impl!r} of {self.name}; "
-                f"registered: {', '.join(sorted(self.implementations))}"
-            )
-        load(self.validate)(cfg)
-        own = self.implementations[cfg.impl].validate
-        if own:
-            load(own)(cfg)
+        _renamed("Component.check(cfg)", "harness.resolve.resolve(cfg).disposition (or check_config(cfg))")
+        check_rules(self, cfg)
 
     def diagnosis(self, cfg: Config, pool, report, rerun: bool) -> Diagnosis:
-        """What the component adds to the verdict of ``cfg`` (its ``diagnose``), never raising: the
-        comparison itself is the verdict."""
-        try:
-            return load(self.diagnose or EVENTS_DIAGNOSIS)(cfg, pool, report, rerun)
-        except Exception as error:  # noqa: BLE001  a diagnosis that fails must not hide the failure
-            return Diagnosis(f"(no diagnosis: {type(error).__name__}: {error})")
+        _renamed("Component.diagnosis(cfg, ...)", "harness.resolve.resolve(cfg).diagnose(pool, report, rerun)")
+        return diagnosed(self, cfg, pool, report, rerun)
 
     def reference_result(self, cfg: Config):
-        """The reference result of ``cfg``'s problem, computed here in a world of one."""
+        _renamed("Component.reference_result(cfg)", "harness.resolve.resolve(cfg).reference()")
         return reference_of(self.reference, cfg.problem)
 
     def calibration_result(self, cfg: Config):
-        """The calibration run of ``cfg``'s problem (``calibration``), computed here in a world of one."""
+        _renamed("Component.calibration_result(cfg)", "harness.resolve.resolve(cfg).calibration()")
         return reference_of(self.calibration, cfg.problem)
 
     def reduction_size(self, cfg: Config) -> int | dict[str, int]:
+        _renamed("Component.reduction_size(cfg)", "harness.resolve.resolve(cfg).reduction")
         return load(self.reduction)(cfg)
 
     def extra_meshes(self, cfg: Config) -> tuple:
-        return tuple(load(self.meshes)(cfg)) if self.meshes else ()
+        _renamed("Component.extra_meshes(cfg)", "harness.resolve.resolve(cfg).meshes")
+        return meshes_of(self, cfg)
+
+
+def _renamed(old: str, new: str) -> None:
+    warnings.warn(f"{old} is deprecated and goes in the next release: use {new}", DeprecationWarning, stacklevel=3)
+
+
+def space_of(component: Component) -> Space | None:
+    """The space exploration draws ``component``'s configs from: its ``space``, or what that path returns."""
+    return load(component.space)() if isinstance(component.space, str) else component.space
+
+
+def check_rules(component: Component, cfg: Config) -> None:
+    """The component's rules for ``cfg``, then its implementation's (raising :class:`ConfigError`)."""
+    if cfg.impl not in component.implementations:
+        raise ConfigError(f"{cfg.id}: no implementation {cfg.impl!r} of {component.name}; "
+                          f"registered: {', '.join(sorted(component.implementations))}")
+    load(component.validate)(cfg)
+    own = component.implementations[cfg.impl].validate
+    if own:
+        load(own)(cfg)
+
+
+def meshes_of(component: Component, cfg: Config) -> tuple:
+    """What ``cfg``'s ranks build besides its mesh (the component's ``meshes``)."""
+    return tuple(load(component.meshes)(cfg)) if component.meshes else ()
+
+
+def diagnosed(component: Component, cfg: Config, pool, report, rerun: bool) -> Diagnosis:
+    """What ``component`` adds to the verdict of ``cfg`` (its ``diagnose``), never raising: the
+    comparison itself is the verdict."""
+    try:
+        return load(component.diagnose or EVENTS_DIAGNOSIS)(cfg, pool, report, rerun)
+    except Exception as error:  # noqa: BLE001  a diagnosis that fails must not hide the failure
+        return Diagnosis(f"(no diagnosis: {type(error).__name__}: {error})")
 
 
 def reference_of(path: str, cfg: Config):
@@ -279,14 +313,4 @@ def preload_modules(cfgs=None) -> list[str]:
 def ranks_needed(cfg: Config) -> int:
     """How many ranks ``cfg`` needs: its mesh's, or the largest of the further meshes its component
     declares for it (a checkpoint saved on more ranks than it is loaded on)."""
-    return max([cfg.world] + [world_of(mesh) for mesh in get(cfg.component).extra_meshes(cfg)])
-
-
-def check_config(cfg: Config, pool_size: int | None = None) -> None:
-    """Every rule for ``cfg``, checked before any rank runs: the component's and the
-    implementation's, and (given ``pool_size``) that the pool has the ranks it needs."""
-    get(cfg.component).check(cfg)
-    if pool_size is not None:
-        need = ranks_needed(cfg)
-        if need > pool_size:
-            raise ConfigError(f"{cfg.id}: needs {need} ranks but the pool has {pool_size}; pass --pool-size {need}")
+    return max([cfg.world] + [world_of(mesh) for mesh in meshes_of(get(cfg.component), cfg)])

@@ -62,13 +62,13 @@ def quick_selection(cfgs: list[Config]) -> set[Config]:
 def _where_switches_act(cfgs: list[Config], keep: set[Config]) -> set[Config]:
     """For each value of a switch that acts only with some mesh dims (``Space.acts_with``: sequence
     parallelism with tp) and that no kept cell runs on such a mesh: the smallest cell that does."""
-    from .registry import get
+    from .registry import get, space_of
 
     spaces: dict[str, dict] = {}  # component -> its switches' dims
 
     def acts(cfg: Config, name: str) -> bool:
         if cfg.component not in spaces:
-            space = get(cfg.component).exploration_space()
+            space = space_of(get(cfg.component))
             spaces[cfg.component] = space.acts_with if space is not None else {}
         dims = spaces[cfg.component].get(name)
         return dims is None or any(cfg.degree(d) > 1 for d in dims)

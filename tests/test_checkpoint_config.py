@@ -4,7 +4,7 @@ import re
 import pytest
 
 from harness.config import Config, ConfigError
-from harness.registry import check_config
+from harness.resolve import check_config
 from reference.checkpoint import SIZES
 
 

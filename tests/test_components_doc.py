@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from harness.config import Config
-from harness.registry import get
+from harness.registry import get, reference_of
 from reference import checkpoint, fsdp, moe, pipeline, ring_attention, tp
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "implementations.md"
@@ -109,7 +109,7 @@ def test_every_built_in_component_has_rows():
 def test_readme_names_and_shapes_match_the_reference(cfg):
     torch.set_num_threads(1)
     want = documented(cfg, table_rows())
-    got = {name: tuple(t.shape) for name, t in get(cfg.component).reference_result(cfg).items()}
+    got = {name: tuple(t.shape) for name, t in reference_of(get(cfg.component).reference, cfg.problem).items()}
     assert sorted(got) == sorted(want), (
         f"{cfg.id}: {PAGE.name} documents {sorted(set(want) - set(got))} that the reference does not return, "
         f"and omits {sorted(set(got) - set(want))}")

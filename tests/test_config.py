@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness.config import DTYPES, Config, ConfigError
-from harness.registry import check_config
+from harness.resolve import check_config
 
 names = st.text("abcdefghijklmnopqrstuvwxyz", min_size=1, max_size=6)
 values = st.text("abcdefghijklmnopqrstuvwxyz0123456789", min_size=1, max_size=8)

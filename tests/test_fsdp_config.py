@@ -4,7 +4,7 @@ import pytest
 
 from cases.test_fsdp import CELLS
 from harness.config import Config, ConfigError
-from harness.registry import check_config
+from harness.resolve import check_config
 from reference.fsdp import SIZES
 
 GOOD = dict(SIZES, m=1)

@@ -13,8 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from harness.config import Config
 from harness.golden.store import META_KEY
-from harness.registry import get
-from harness.compare.tolerance import Tolerances
+from harness.resolve import resolve
 
 from .ci_project import ROOT, run_project
 
@@ -88,7 +87,7 @@ def test_diff_lists_exactly_the_three_rewritten_goldens_with_their_largest_chang
         assert float(cells[4]) == pytest.approx(max_rel, rel=1e-2)
         assert cells[5] == "no"  # bit-identical
         cfg = Config.parse(name[: -len(".safetensors")])
-        tol = Tolerances(cfg.dtype, get(cfg.component).reduction_size(cfg)).get(tensor)
+        tol = resolve(cfg).policy().get(tensor)
         assert cells[6] == ("yes" if name == a.name else "**no**"), (name, tol)
 
     # uncommitted: one removed, one added (a copy under a new name), the committed three still listed

@@ -9,7 +9,8 @@ from harness.layout import Shard
 from harness.model import ModelCase, model_cells, register_model
 from harness.model.placement import placements_of, plain_activation
 from harness.model.train import aliases
-from harness.registry import register_implementation, check_config
+from harness.registry import register_implementation
+from harness.resolve import check_config
 
 register_model("rules", "tests.model_handwritten:CASE")
 

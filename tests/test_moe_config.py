@@ -5,7 +5,7 @@ import torch
 
 from harness.config import Config, ConfigError
 from harness.layout import MeshLayout, Piece, Shard, assemble, take
-from harness.registry import check_config
+from harness.resolve import check_config
 from reference.moe import SIZES, capacity, keep_mask, make_problem, moe
 
 OK = dict(emesh="dense", cap="100", score="softmax", norm="off", route="rand")

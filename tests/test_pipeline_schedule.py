@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from harness.config import Config, ConfigError
 from harness.layout import MeshLayout, Piece, Shard, assemble
 from harness.matrix import mesh
-from harness.registry import check_config
+from harness.resolve import check_config
 from harness.parallel import pipeline_schedule as ps
 from harness.parallel.pipeline_schedule import B, F, RB, RF, SF, Action, ScheduleError, build, simulate, table
 

@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from harness.cell import _references, reference_for
+from harness.registry import reference_of
+from harness.resolve import _references, resolve
 from harness.config import Config
 from harness.pool.parent import CaseFailure, Pool
 from harness.registry import COMPONENTS, Component, get, register_component
@@ -93,17 +94,17 @@ def test_a_reference_is_computed_once_per_problem_on_a_rank_beside_the_pool(smal
         ranks = small_pool.run("tests.faults:pids", None, TP4)
         world = small_pool.run("tests.faults:default_group", None, TP4)
         cfg = Config("wheretp", "ours", {"tp": 2}, "fp32", sizes, {"op": "mlp"})
-        got = reference_for(cfg, small_pool)
+        got = resolve(cfg).reference(small_pool)
         beside = int(got["pid"])
         assert beside in small_pool.pids and beside not in [*ranks.values(), os.getpid()]
         assert got["world"].tolist() == [1, 0, 0, 0, 1]  # a world of one: size, rank, RANK, LOCAL_RANK, WORLD_SIZE
-        assert reference_for(Config("wheretp", "ours", {"tp": 4}, "fp32", sizes, {"op": "mlp"}), small_pool) is got
-        assert int(reference_for(Config("wheretp", "ours", {"tp": 4}, "fp32", sizes, {"op": "sp"}),
-                                 small_pool)["pid"]) == beside  # another problem: computed again, there
+        assert resolve(Config("wheretp", "ours", {"tp": 4}, "fp32", sizes, {"op": "mlp"})).reference(small_pool) is got
+        assert int(resolve(Config("wheretp", "ours", {"tp": 4}, "fp32", sizes, {"op": "sp"})).reference(
+            small_pool)["pid"]) == beside  # another problem: computed again, there
         real = Config("tp", "ours", {"tp": 2}, "fp32", sizes, {"op": "mlp"})
-        there, here = reference_for(real, small_pool), tp.reference_result(real)
+        there, here = resolve(real).reference(small_pool), reference_of(tp.reference, real.problem)
         assert there.keys() == here.keys() and all(torch.equal(there[k], here[k]) for k in here)
-        assert get("wheretp").reference_result(cfg)["world"].tolist() == [1, 0, 0, 0, 1]  # here: a world of one too
+        assert reference_of(get("wheretp").reference, cfg.problem)["world"].tolist() == [1, 0, 0, 0, 1]  # here: a world of one too
         assert small_pool.run("tests.faults:default_group", None, TP4) == world
     finally:
         COMPONENTS.pop("wheretp")

@@ -6,7 +6,7 @@ import pytest
 from harness.cell import run_cell
 from harness.config import ConfigError
 from harness.model import model_cells, register_model
-from harness.registry import check_config
+from harness.resolve import check_config
 from tests.conftest import failure_of
 
 register_model("handtp", "tests.model_handtp:HANDTP")

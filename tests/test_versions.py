@@ -53,15 +53,13 @@ def test_reasons_name_the_installed_versions_here():
     pytest.importorskip("transformers")
     pytest.importorskip("megatron.core")
     from harness.config import Config
-    from harness.registry import get
+    from harness.resolve import resolve
 
     installed = {name: versions.installed(name) for name in PINNED}
     reasons = []
     for text in (SKIPPED, DECLARED, "tp-megatron-tp2-fp32-op_xent-b4.f32.h16.s8.v40-seed0",
                  "tp-megatron-tp3-fp32-op_mlp-b4.f32.h16.s8.v40-seed0"):
-        cfg = Config.parse(text)
-        impl = get(cfg.component).implementations[cfg.impl]
-        reasons.append(impl.skip_reason(cfg) or impl.xfail_reason(cfg))
+        reasons.append(resolve(Config.parse(text)).disposition.reason)
     assert reasons[0].startswith(f"transformers {installed['transformers']}: AllReduceEP")
     assert reasons[1].startswith(f"transformers {installed['transformers']}: load_balancing_loss_func")
     assert reasons[2].startswith(f"megatron-core {installed['megatron-core']}: vocab_parallel_cross_entropy")

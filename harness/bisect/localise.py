@@ -18,17 +18,18 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import events
-from ..cell import assemble_result, cell_deadline, parity, reference_for
+from ..cell import assemble_result, parity
 from ..compare.diff import Row, compare
-from ..config import Config
+from ..config import Config, ConfigError
 from ..layout import AssemblyError, MeshLayout, Piece, assemble, summed_over
 from ..pool.parent import CaseFailure, Pool, PoolError
 from ..names import parse
 from ..paths import load
-from ..registry import Diagnosis, check_config, get, reference_of
+from ..registry import Diagnosis, reference_of
+from ..resolve import Cell, as_cell
 from ..screen import fitted
 from .signature import factor_text
-from ..compare.tolerance import Tolerances, tolerance
+from ..compare.tolerance import Tolerances
 
 
 def recorded_run(ctx, payload: tuple[str, Config]) -> dict:
@@ -316,19 +317,19 @@ def scaled(rows: list[Row], mesh) -> dict[str, str]:
     return found
 
 
-def located(cfg: Config, pool: Pool) -> Localisation | None:
+def located(cfg: Config | Cell, pool: Pool) -> Localisation | None:
     """Where a failing config's divergence starts, as bisect and exploration report it: its
     localisation, led by the component's own diagnosis where it has one (a whole model's first
     diverging module: the line pytest prints under the cell's table, from the same function). A crash
     or hang while recording leaves none (said on stderr)."""
+    cell = as_cell(cfg, pool.size)
     try:
-        found = localise(cfg, pool)
+        found = localise(cell, pool)
     except (CaseFailure, PoolError) as error:
-        print(f"events of {cfg.id} could not be recorded: {str(error).splitlines()[0]}", file=sys.stderr)
+        print(f"events of {cell.id} could not be recorded: {str(error).splitlines()[0]}", file=sys.stderr)
         return None
-    component = get(cfg.component)
-    if component.diagnose and found.report is not None and not found.report.ok:
-        found.diagnosis = component.diagnosis(cfg, pool, found.report, rerun=True).text
+    if cell.component.diagnose and found.report is not None and not found.report.ok:
+        found.diagnosis = cell.diagnose(pool, found.report, rerun=True).text
     return found
 
 
@@ -345,16 +346,22 @@ def diagnosis(cfg: Config, pool, report, rerun: bool) -> Diagnosis:
     return Diagnosis(found.summary())
 
 
-def _calibrated_events(cfg: Config, pool: Pool, component) -> dict[str, events.Event]:
+def _recorded_reference(cell: Cell, pool: Pool, path: str, what: str) -> list[events.Event]:
+    """The events of the reference function ``path`` on the cell's config, in a world of one."""
+    cfg = cell.cfg
+    return _numbered(pool.alone("harness.bisect.localise:recorded_reference", (path, cfg), cfg.problem.mesh,
+                                seed=cfg.seed, label=f"{cfg.id} ({what}, recording events)",
+                                deadline=cell.deadline(pool)))
+
+
+def _calibrated_events(cell: Cell, pool: Pool) -> dict[str, events.Event]:
     """The events of the cell's problem on one process in the cell's dtype (its ``calibration``,
     recorded): how far right code lies from the fp64 reference's events by rounding alone. Empty
     where the component has no calibration or the cell is fp64."""
-    if component.calibration is None or cfg.dtype == "fp64":
+    if cell.component.calibration is None or cell.cfg.dtype == "fp64":
         return {}
-    log = pool.alone("harness.bisect.localise:recorded_reference", (component.calibration, cfg), cfg.problem.mesh,
-                     seed=cfg.seed, label=f"{cfg.id} (one process in {cfg.dtype}, recording events)",
-                     deadline=cell_deadline(pool, component))
-    return {event.key: event for event in _numbered(log)}
+    log = _recorded_reference(cell, pool, cell.component.calibration, f"one process in {cell.cfg.dtype}")
+    return {event.key: event for event in log}
 
 
 def _event_tolerance(tol, want: events.Event, calibrated: dict[str, events.Event], role: str):
@@ -369,21 +376,18 @@ def _event_tolerance(tol, want: events.Event, calibrated: dict[str, events.Event
     return Tolerances(tol.dtype, tol.reduction, reference=expected, one_process=measured)
 
 
-def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
-    """Record the reference's and the implementation's events for ``cfg`` and find the divergence.
+def localise(cfg: Config | Cell, pool: Pool, complete: bool = False) -> Localisation:
+    """Record the reference's and the implementation's events for the cell and find the divergence.
     ``complete``: compare every event (kept in ``findings``) instead of stopping where it starts."""
-    check_config(cfg, pool.size)
-    component = get(cfg.component)
-    log = pool.alone("harness.bisect.localise:recorded_reference", (component.reference, cfg), cfg.problem.mesh,
-                     seed=cfg.seed, label=f"{cfg.id} (its reference, recording events)",
-                     deadline=cell_deadline(pool, component))
-    reference = _numbered(log)
-    calibrated = _calibrated_events(cfg, pool, component)
-    run = component.implementations[cfg.impl].run
+    cell = as_cell(cfg, pool.size)
+    if cell.disposition.kind == "invalid":
+        raise ConfigError(cell.disposition.reason)
+    cfg = cell.cfg
+    reference = _recorded_reference(cell, pool, cell.component.reference, "its reference")
+    calibrated = _calibrated_events(cell, pool)
     # the cell's own deadline (a model's deadline_factor): recording costs more than the cell, not less
-    per_rank = pool.run("harness.bisect.localise:recorded_run", (run, cfg), cfg.mesh, seed=cfg.seed,
-                        label=f"{cfg.id} (recording events)", extra_meshes=component.extra_meshes(cfg),
-                        deadline=cell_deadline(pool, component))
+    per_rank = pool.run("harness.bisect.localise:recorded_run", (cell.impl.run, cfg), cfg.mesh, seed=cfg.seed,
+                        label=f"{cfg.id} (recording events)", extra_meshes=cell.meshes, deadline=cell.deadline(pool))
     layout = MeshLayout.of(cfg.mesh)
     partial_results: dict[str, str] = {}
     scaled_results: dict[str, str] = {}
@@ -392,9 +396,9 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
         results = {r: got["result"] for r, got in per_rank.items()}
         result_ok = None not in results.values()
         if result_ok:
-            tol_of, report = parity(cfg, component, assemble_result(cfg, results))
+            tol_of, report = parity(cell, assemble_result(cfg.mesh, results))
             result_ok = report.ok
-            expected = reference_for(cfg)
+            expected = cell.reference()
             held = set(results[min(results)])  # every rank holds the same names (assemble_result)
             rows = [r for r in report.failing() if r.tensor in expected and r.tensor in held]
             partial_results = partial_sums(rows, {r.tensor: {k: got[r.tensor] for k, got in results.items()}
@@ -406,8 +410,8 @@ def localise(cfg: Config, pool: Pool, complete: bool = False) -> Localisation:
     for rank, got in per_rank.items():
         for event in _numbered(got["events"]):
             parallel[event.key][rank] = event
-    sizes = component.reduction_size(cfg)
-    tol = tolerance(cfg.dtype, sizes if isinstance(sizes, int) else sizes["*"])
+    # an event's tensors are not the results the policy's sizes name: held to the size of the rest
+    tol = cell.policy().get("*")
     found = Localisation(len(reference), len(parallel), result_ok=result_ok,
                          errors={r: got["error"] for r, got in per_rank.items() if got["error"]},
                          partial_results=partial_results, scaled_results=scaled_results, report=report)

@@ -12,10 +12,10 @@ from typing import TextIO
 
 from ..cell import CellOutcome, NotJudged, execute
 from ..compare.diff import compare
-from ..config import Config, ConfigError
+from ..config import Config
 from ..layout import AssemblyError
 from ..pool.parent import CaseFailure, Pool, PoolError
-from ..registry import check_config, get
+from ..resolve import resolve
 from ..screen import WIDTH, fitted
 from ..world import split_nothing
 from .shrink import Budget
@@ -61,16 +61,11 @@ class Trials:
         return trial
 
     def _in_pool(self, cfg: Config) -> Trial:
+        cell = resolve(cfg, self.pool.size)  # a declared divergence is run: it is what bisect looks for
+        if cell.disposition.kind in ("invalid", "skip"):
+            return Trial(cfg, Signature(cell.disposition.kind, detail=cell.disposition.reason), 0.0)
         try:
-            check_config(cfg, self.pool.size)
-            component = get(cfg.component)
-        except ConfigError as error:
-            return Trial(cfg, Signature("invalid", detail=str(error)), 0.0)
-        reason = component.implementations[cfg.impl].skip_reason(cfg)
-        if reason:
-            return Trial(cfg, Signature("skip", detail=reason), 0.0)
-        try:
-            outcome = execute(cfg, self.pool)
+            outcome = execute(cell, self.pool)
         except NotJudged as error:
             return Trial(cfg, Signature("skip", detail=str(error)), 0.0)
         except CaseFailure as error:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from ..config import Config, ConfigError
-from ..registry import get
+from ..registry import check_rules, get
 
 SIMPLEST_DTYPE = "fp32"
 
@@ -94,7 +94,7 @@ class Search:
                 verdict = "fixed"
                 for step in options:
                     try:
-                        get(step.cfg.component).check(step.cfg)
+                        check_rules(get(step.cfg.component), step.cfg)
                     except ConfigError:
                         continue
                     held = holds(step.cfg)

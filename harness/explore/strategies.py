@@ -23,7 +23,8 @@ import math
 from hypothesis import strategies as st
 
 from ..config import Config, ConfigError
-from ..registry import Component, check_config, get
+from ..registry import Component, Space, get, space_of
+from ..resolve import resolve
 
 ATTEMPTS = 25  # drafts per drawn example before hypothesis is told the draw is invalid
 # Below 100 on purpose: hypothesis draws 1 integer in 20 from the literals of 100 or more (in
@@ -38,8 +39,9 @@ class NoSpace(ConfigError):
     """The component declares nothing to explore."""
 
 
-def space_of(component: Component):
-    space = component.exploration_space()
+def required_space(component: Component) -> Space:
+    """The component's exploration space (its ``space``), or :class:`NoSpace` naming the fix."""
+    space = space_of(component)
     if space is None:
         raise NoSpace(f"component {component.name!r} declares no exploration space: add "
                       "space=Space(dims=..., sizes=..., switches=...) to its register_component(...)")
@@ -90,7 +92,7 @@ def _switches(draw, component: Component) -> dict[str, str]:
 
 
 def _draft(draw, component: Component, impl: str, pool_size: int, switches: dict[str, str]) -> Config:
-    space = space_of(component)
+    space = required_space(component)
     mesh = draw(meshes(space.dims, pool_size, space.ordered, space.one_rank))
     dtype = draw(st.sampled_from(space.dtypes))
     drawn = draw(sizes(space.sizes, mesh))
@@ -103,7 +105,7 @@ def within(cfg: Config) -> bool:
     outside it would reach sizes the space leaves out on purpose (numerics, not bugs). A one-rank
     world is inside: bisect's search tries it as the control that shows a dim is essential."""
     component = get(cfg.component)
-    space, values = space_of(component), component.switch_values()
+    space, values = required_space(component), component.switch_values()
     return (all(name in space.dims for name, _ in cfg.mesh) and cfg.dtype in space.dtypes
             and all(key in space.sizes and space.sizes[key][0] <= v <= space.sizes[key][1] for key, v in cfg.sizes)
             and all(v in values.get(key, (v,)) for key, v in cfg.switches))
@@ -112,14 +114,10 @@ def within(cfg: Config) -> bool:
 def runnable(cfg: Config, pool_size: int) -> str | None:
     """None when ``cfg`` can run here, else why not: the rule it breaks, its implementation's skip,
     or a divergence the implementation declares (``xfail``: known, so not worth finding again)."""
-    try:
-        check_config(cfg, pool_size)
-        component = get(cfg.component)
-        impl = component.implementations[cfg.impl]
-        known = impl.xfail_reason(cfg)
-        return impl.skip_reason(cfg) or (f"declared divergence: {known}" if known else None)
-    except ConfigError as error:
-        return str(error)
+    disposition = resolve(cfg, pool_size).disposition
+    if disposition.kind == "xfail":
+        return f"declared divergence: {disposition.reason}"
+    return disposition.reason if disposition.kind != "run" else None
 
 
 @st.composite

@@ -94,10 +94,10 @@ class FileChange:
 def _tolerances(stem: str):
     """The tolerance policy of the cell a golden file belongs to (the cell's own: its reference and
     its one-process run are computed here), or None if it cannot be known."""
-    from ..cell import tolerances_for
+    from ..resolve import resolve
 
     try:
-        return tolerances_for(Config.parse(stem))
+        return resolve(Config.parse(stem)).tolerances()
     except Exception:  # noqa: BLE001  an unparsable id or unknown component: say "unknown", not crash
         return None
 
@@ -251,7 +251,7 @@ class CheckResult:
 
 
 def check(root: Path, golden_dir: Path, paths: list[str]) -> CheckResult:
-    from ..registry import get
+    from ..resolve import resolve
 
     collected = collect_cells(root, paths)
     result = CheckResult(cells=len(collected.cells), collection_errors=collected.errors)
@@ -281,17 +281,13 @@ def check(root: Path, golden_dir: Path, paths: list[str]) -> CheckResult:
     for cell_id, (cfg, nodeid) in sorted(collected.cells.items()):
         if cell_id in on_disk:
             continue
-        try:
-            component = get(cfg.component)
-            component.check(cfg)
-            impl = component.implementations[cfg.impl]
-            reason = impl.skip_reason(cfg)
-        except ConfigError:
-            continue  # an invalid cell fails when it runs, with the rule it breaks; no golden to ask for
-        if not reason and impl.xfail_reason(cfg):
-            continue  # a declared divergence never matches the reference, so it never writes a golden
-        if reason:
-            result.skipped_without.append(f"{cell_id}: skipped here ({reason})")
+        # the fixture's own decision: an invalid cell fails when it runs, with the rule it breaks, and a
+        # declared divergence never matches the reference: neither writes a golden to ask for
+        disposition = resolve(cfg).disposition
+        if disposition.kind in ("invalid", "xfail"):
+            continue
+        if disposition.kind == "skip":
+            result.skipped_without.append(f"{cell_id}: skipped here ({disposition.reason})")
         else:
             result.gaps.append(f"{nodeid}: no golden file; run the cell, which writes it if it matches the "
                                f"reference: {update_command(_command(root, nodeid))}")
