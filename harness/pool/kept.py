@@ -21,6 +21,9 @@ Safe by construction:
   the client starts a fresh one;
 * it exits after ``idle`` seconds without a run, removing its socket, lock file and log, and when
   asked (``pytest --stop-pool``, ``python -m harness.pool stop``).
+
+This module is the client's side (the request, ``status``, ``stop``, :class:`Remote`); the keeper
+and the run zygotes it forks are :mod:`harness.pool.keeper`.
 """
 from __future__ import annotations
 
@@ -30,7 +33,6 @@ import hashlib
 import json
 import os
 import select
-import signal
 import socket
 import stat
 import struct
@@ -257,7 +259,7 @@ def _start(path: str, idle: float, preload: list[str]) -> socket.socket:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
     with open(path[:-len(".sock")] + ".log", "ab") as log:
         _started.append(subprocess.Popen(
-            [sys.executable, "-c", "from harness.pool.kept import keeper_main; keeper_main()", json.dumps(spec)],
+            [sys.executable, "-c", "from harness.pool.keeper import keeper_main; keeper_main()", json.dumps(spec)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
             env=env, cwd="/"))
     end = time.monotonic() + 60
@@ -377,193 +379,3 @@ class Remote:
 
     def close(self) -> None:
         self.sock.close()
-
-
-# ---- the keeper ------------------------------------------------------------------------------------
-def keeper_main() -> None:
-    spec = json.loads(sys.argv[1])
-    path, idle = spec["path"], float(spec["idle"])
-    own = fingerprint()  # before any import: an edit made while importing makes it stale, not wrong
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)
-    try:
-        listener.bind(path)
-    finally:
-        os.umask(old)
-    listener.listen(64)
-    inode = os.stat(path).st_ino
-    base = path[:-len(".sock")]
-    children: set[int] = set()
-
-    def ours() -> bool:
-        try:
-            return os.stat(path).st_ino == inode
-        except FileNotFoundError:
-            return False
-
-    def finish(code: int = 0, lock: bool = True) -> None:
-        listener.close()
-        if ours():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            if lock:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(base + ".lock")
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(base + ".log")
-        with contextlib.suppress(OSError):
-            os.rmdir(os.path.dirname(path))  # only when empty
-        os._exit(code)
-
-    def stop_all(*_) -> None:
-        for pid in list(children):  # each ends its ranks and removes its pool directory
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        for pid in list(children):
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
-        finish()
-
-    signal.signal(signal.SIGTERM, stop_all)
-    signal.signal(signal.SIGINT, stop_all)
-    from .rank import import_torch, preload, warm_up
-
-    import_torch()
-    preload(spec["preload"])
-    warm_up()
-    last = time.monotonic()
-    runs = 0
-    while True:
-        for pid in list(children):
-            with contextlib.suppress(ChildProcessError):
-                done, _ = os.waitpid(pid, os.WNOHANG)
-                if not done:
-                    continue
-            children.discard(pid)
-            last = time.monotonic()
-        if children:
-            last = time.monotonic()
-        if not select.select([listener], [], [], 1.0)[0]:
-            if not children and time.monotonic() - last > idle and _idle_exit(base, listener):
-                finish(lock=False)
-            continue
-        conn, _ = listener.accept()
-        conn.settimeout(30)
-        try:
-            message, fds = receive(conn)
-        except (OSError, EOFError, ValueError):
-            conn.close()
-            continue
-        if message.get("op") == "status":
-            with contextlib.suppress(OSError):
-                send(conn, {"pid": os.getpid(), "runs": runs, "live": sorted(children), "idle": idle,
-                            "fingerprint": own})
-            conn.close()
-            continue
-        if message.get("op") == "stop":
-            with contextlib.suppress(OSError):
-                send(conn, {"stopped": True})
-            conn.close()
-            stop_all()
-        if message.get("fingerprint") != own:  # the harness or the installed packages changed
-            with contextlib.suppress(FileNotFoundError):
-                if ours():
-                    os.unlink(path)  # the client starts the next keeper at this path
-            with contextlib.suppress(OSError):
-                send(conn, {"stale": True})
-            for fd in fds:
-                os.close(fd)
-            conn.close()
-            finish(lock=False)
-        idle = float(message.get("idle", idle))
-        preload(message.get("preload_kept", ()))  # third-party, kept for the next runs too
-        pid = os.fork()
-        if pid == 0:
-            listener.close()
-            try:
-                run_zygote(conn, message, fds)
-            finally:
-                os._exit(1)
-        children.add(pid)
-        runs += 1
-        for fd in fds:
-            os.close(fd)
-        with contextlib.suppress(OSError):
-            send(conn, {"pid": pid})
-        conn.close()
-        last = time.monotonic()
-
-
-def _idle_exit(base: str, listener: socket.socket) -> bool:
-    """May the keeper exit now? Not while a client is starting or connecting (it holds the lock)."""
-    try:
-        fd = os.open(base + ".lock", os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return not select.select([listener], [], [], 0)[0]
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        if select.select([listener], [], [], 0)[0]:
-            return False
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(base + ".lock")  # under the lock: a waiting client sees it gone and takes it again
-        return True
-    finally:
-        os.close(fd)
-
-
-def run_zygote(conn: socket.socket, message: dict, fds: list[int]) -> None:
-    """One run's zygote, forked by the keeper: the run's descriptors, directory, environment and
-    import path, the project's modules imported fresh, then the ranks forked as a pool's zygote
-    forks them. It ends (ranks killed, pool directory removed) when the client's connection ends."""
-    from . import pooldir
-    from .rank import Zygote, preload
-
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    os.setpgid(0, 0)  # its ranks and itself: one group the client can kill outright
-    *rank_fds, status = fds
-    os.dup2(status, 1)
-    os.close(status)
-    log = os.open(os.path.join(message["tmp"], "zygote.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(log, 2)
-    os.close(log)
-    sys.stdout = os.fdopen(1, "w", closefd=False)
-    sys.stderr = os.fdopen(2, "w", closefd=False)
-    os.chdir(message["cwd"])
-    os.environ.clear()
-    os.environ.update(message["env"])
-    sys.path[:] = message["path"]
-    spec = {"fds": rank_fds, "backend": message["backend"], "tmp": message["tmp"], "close": [conn.fileno()]}
-    pooldir.hold(spec["tmp"])
-    zygote = Zygote(spec)
-    signal.signal(signal.SIGTERM, zygote.leave)
-    preload(message.get("preload", ()))  # the project's own modules: fresh in every run
-
-    def watch() -> None:
-        import threading
-
-        def wait_for_eof() -> None:
-            while True:
-                try:
-                    if not conn.recv(4096):
-                        break
-                except InterruptedError:
-                    continue
-                except OSError:
-                    break
-            zygote.leave()
-
-        threading.Thread(target=wait_for_eof, name="harness-client-watch", daemon=True).start()
-
-    conn.settimeout(None)
-    zygote.serve(forked=watch)
-    # every rank is gone (the client's end closed their sockets): end as on the client's EOF, which
-    # the watch thread may be handling now (it exits the process; wait for it)
-    zygote.leave()
-    while True:
-        time.sleep(1)

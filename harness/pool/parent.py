@@ -82,6 +82,29 @@ class Outcome:
     def line(self) -> str:
         return f"rank {self.rank}: {self.status}" + (f": {self.summary}" if self.summary else "")
 
+    @classmethod
+    def of_reply(cls, rank: int, status: str, value: Any) -> Outcome:
+        """The outcome of a rank's reply ``(status, value)`` (:func:`harness.pool.rank.run_task`'s,
+        from the pool's ranks and torchrun's alike): a raised one's traceback is its detail, its
+        last line the summary."""
+        if status != "raised":
+            return cls(rank, status, value=value)
+        text = str(value)
+        return cls(rank, "raised", detail=text, summary=(text.strip().splitlines() or ["exception"])[-1])
+
+
+def failure_reason(label: str, elapsed: float, parts) -> str:
+    """The one sentence of a case that failed: ``case L failed after 1.2 s: raised on ranks [1],
+    ...``, ``parts`` the (what, ranks) of each kind of failure in order."""
+    what = f"case {label} " if label else "case "
+    return f"{what}failed after {elapsed:.1f} s: " + ", ".join(f"{kind} on ranks {ranks}" for kind, ranks in parts)
+
+
+def deadline_reason(label: str, deadline: float, stuck: list[int]) -> str:
+    """The one sentence of a case whose ``stuck`` ranks were still running at its deadline."""
+    what = f"case {label} " if label else "case "
+    return f"{what}passed its deadline of {deadline:.1f} s: ranks {stuck} still running"
+
 
 def ranks_text(ranks: list[int]) -> str:
     """``rank 3``, ``ranks 0-3``, ``ranks 0, 2, 5-7``."""
@@ -455,12 +478,9 @@ class Pool:
                     continue
                 if task != self._task:
                     continue
+                outcomes[rank] = Outcome.of_reply(rank, status, value)
                 if status == "raised":
-                    last = value.strip().splitlines()[-1] if value.strip() else "exception"
-                    outcomes[rank] = Outcome(rank, "raised", detail=value, summary=last)
                     failed_at = failed_at or time.monotonic()
-                else:
-                    outcomes[rank] = Outcome(rank, status, value=value)
         if len(outcomes) == self.size and all(o.status in ("ok", "idle") for o in outcomes.values()):
             return {r: outcomes[r].value for r in range(world)}
         raise self._failure(outcomes, world, deadline, label, time.monotonic() - start)
@@ -482,12 +502,11 @@ class Pool:
                 outcomes[r].summary = f"process died ({how})"
                 outcomes[r].detail = f"process died ({how}); its output, last lines:\n" + self._logs([r], tail=15)
         kinds = sorted({o.status for o in outcomes.values()} - {"ok", "idle"})
-        what = f"case {label} " if label else "case "
         if stuck and not (dead or any(o.status == "raised" for o in outcomes.values())):
-            reason = f"{what}passed its deadline of {deadline:.1f} s: ranks {[r for r in stuck if r < world]} still running"
+            reason = deadline_reason(label, deadline, [r for r in stuck if r < world])
         else:
-            reason = f"{what}failed after {elapsed:.1f} s: " + ", ".join(
-                f"{k} on ranks {[r for r, o in sorted(outcomes.items()) if o.status == k]}" for k in kinds)
+            reason = failure_reason(label, elapsed, [(k, [r for r, o in sorted(outcomes.items()) if o.status == k])
+                                                     for k in kinds])
         if stuck or dead:
             self.kill()  # a pool with stuck or dead ranks cannot be trusted: the next task starts afresh
         return CaseFailure(reason, outcomes, world)

@@ -255,8 +255,7 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
     import torch.distributed as dist
 
     from ..layout import MeshLayout
-    from ..paths import load
-    from ..world import World, explained
+    from ..world import World
     from .backend import rank_device
     from .groups import share_groups
 
@@ -290,15 +289,52 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
                 if rank >= MeshLayout.of(mesh).world:
                     _send(conn, ("idle", task, rank, None))
                     continue
-                if path not in functions:
-                    functions[path] = load(path)
-                seed_rank(seed, rank)
-                ctx = context(rank, mesh, extra, meshes, device, backend, scratch)
-                result = functions[path](ctx, payload)
-            _send(conn, ("ok", task, rank, result))
+                status, value = run_task(functions, path, payload, rank, mesh, extra, meshes, device, backend,
+                                         scratch, seed, size)
         except BaseException as error:  # noqa: BLE001  every failure goes back to the parent, with its traceback
-            try:
-                _send(conn, ("raised", task, rank, explained(error, size) or traceback.format_exc()))
-            except (OSError, EOFError):
-                break
+            status, value = raised(error, size)
+        if not _reply(conn, (status, task, rank, value), size):
+            break
     os._exit(0)
+
+
+def _reply(conn: Connection, reply: tuple, size: int) -> bool:
+    """Send a task's reply; one that cannot be sent (a result that cannot be pickled) goes as a
+    raised one instead. False when the parent is gone."""
+    try:
+        try:
+            _send(conn, reply)
+        except BaseException as error:  # noqa: BLE001  e.g. a result that cannot be pickled
+            if reply[0] == "raised":
+                raise
+            _send(conn, ("raised", *reply[1:3], raised(error, size)[1]))
+    except (OSError, EOFError):
+        return False
+    return True
+
+
+def raised(error: BaseException, size: int) -> tuple[str, str]:
+    """The reply of a rank whose task raised ``error`` (called while handling it): ``("raised",
+    text)``, the text :func:`harness.world.explained` gives, else the traceback."""
+    from ..world import explained
+
+    return "raised", explained(error, size) or traceback.format_exc()
+
+
+def run_task(functions: dict, path: str, payload, rank: int, mesh, extra, meshes: dict, device, backend: str,
+             scratch: str, seed: int, size: int, inside=None) -> tuple[str, object]:
+    """The one rank-side body of a task, for the pool's ranks and torchrun's (its meshes built, in
+    its world, ``inside``: a context manager entered around the call): ``fn(ctx, payload)`` with
+    ``fn`` loaded once from ``path`` (cached in ``functions``), this rank's seed and ctx. The reply:
+    ``("ok", value)``, or :func:`raised`'s ``("raised", text)``."""
+    from ..paths import load
+
+    try:
+        if path not in functions:
+            functions[path] = load(path)
+        seed_rank(seed, rank)
+        ctx = context(rank, mesh, extra, meshes, device, backend, scratch)
+        with inside if inside is not None else contextlib.nullcontext():
+            return "ok", functions[path](ctx, payload)
+    except BaseException as error:  # noqa: BLE001  every failure goes back with its traceback
+        return raised(error, size)

@@ -13,7 +13,7 @@ def noop(ctx: RankContext, payload):
 
 def reference(ctx: RankContext, payload):
     """A cell's single-process reference (``payload``: the component's reference path and the
-    config), computed in a world of one rank (harness.cell.reference_for)."""
+    config), computed in a world of one rank (harness.resolve.Cell.reference)."""
     from ..registry import reference_of
 
     path, cfg = payload

@@ -153,8 +153,8 @@ def own_temp(config) -> None:
     os.environ["PYTEST_DEBUG_TEMPROOT"] = root
 
 
-def on_ranks(check, cfg, runner, record: dict, start: float):
-    """A cell under torchrun: rank 0 judges (``check.judge``), running the cell (and, when it fails,
+def on_ranks(check, cell, runner, record: dict, start: float):
+    """A resolved cell (:class:`harness.resolve.Cell`) under torchrun: rank 0 judges (``check.judge``), running the cell (and, when it fails,
     its localisation) on every rank: the others follow its rounds. It shares the verdict, which the
     other ranks adopt (record included), so every rank reports the same outcome and the same
     diagnosis as a pool run. A cell an earlier attempt of this job judged is not run again: its
@@ -165,10 +165,10 @@ def on_ranks(check, cfg, runner, record: dict, start: float):
         runner.begin(nodeid, record)
         if runner.rank == 0:
             try:
-                failure, outcome = check.judge(cfg, runner, record, start)
+                failure, outcome = check.judge(cell, runner, record, start)
             except BaseException as error:  # not the cell's failure but ours: the others must hear too
                 record["kind"] = type(error).__name__
-                runner.share_verdict(f"{cfg.id}: the harness failed on rank 0 while judging the cell:\n"
+                runner.share_verdict(f"{cell.id}: the harness failed on rank 0 while judging the cell:\n"
                                      f"{traceback.format_exc()}", record)
                 raise
             runner.share_verdict(failure, record)

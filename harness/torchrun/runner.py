@@ -13,7 +13,8 @@ watchdog publishes its stack, rank 0 writes the failure (with those stacks) into
 outlives the workers, and every rank exits; torchrun's ``--max-restarts`` starts them again with a
 fresh process group, and the new attempt replays the judged cells from the record and goes on
 after the failed one. A rank that dies is found the same way at the next attempt: it left neither
-an outcome nor the note a rank stopped by torchrun leaves.
+an outcome nor the note a rank stopped by torchrun leaves. That judgement, and the end of an attempt
+and of the job, is :mod:`harness.torchrun.attempts`.
 """
 from __future__ import annotations
 
@@ -21,26 +22,17 @@ import hashlib
 import os
 import pickle
 import shutil
-import sys
 import tempfile
-import threading
 import time
-import traceback
 from typing import Any
 
-from ..world import explained
-from ..pool.parent import FAILURE_GRACE, CaseFailure, Outcome, fitting, summarize_stack
-from .session import SETUP_TIMEOUT, Session
-from .watchdog import Watchdog, main_stack, on_sigterm
-
-# torchrun restarts the workers on any non-zero exit; this one says "exited to replace the group"
-RESTART_EXIT = 75
-# How long rank 0 waits, after the deadline, for the stacks of the ranks still running the cell.
-STACK_GRACE = 5.0
-POLL = 0.02
+from ..pool.parent import FAILURE_GRACE, CaseFailure, Outcome, failure_reason, fitting
+from .attempts import POLL, RESTART_EXIT, STACK_GRACE, Attempts  # noqa: F401  (RESTART_EXIT, STACK_GRACE: re-exported)
+from .session import Session
+from .watchdog import Watchdog
 
 
-class RankRunner:
+class RankRunner(Attempts):
     """This rank's runner of cells: the pool's interface, in-process."""
 
     # a failing cell runs again to localise it: the other ranks follow rank 0's rounds (follow())
@@ -79,9 +71,6 @@ class RankRunner:
         than one (a failing cell's localisation). Raises :class:`CaseFailure` on the gathering ranks
         when a rank raised; a rank that hangs ends the attempt (see the module docstring).
         """
-        from ..paths import load
-        from ..pool.rank import build_meshes, context, seed_rank
-
         in_cell = bool(self._current and self._current.get("record") is not None)
         if gather is None:
             gather = "first" if in_cell else "all"
@@ -92,11 +81,31 @@ class RankRunner:
         mesh = tuple(mesh)
         world, size, extra = fitting(mesh, extra_meshes, self.size,
                                      "this torchrun job has {size}: launch at least {need} ranks")
+        deadline = self.deadline if deadline is None else deadline
+        scratch = self._enter_round(mesh, extra, size, world, label, deadline)
+        start = time.monotonic()
+        key = self._key
+        # early: rank 0 asks for the stacks before the deadline when a rank raised and the others hang
+        self.watchdog.arm(deadline, lambda: self._expired(world, label, deadline, start),
+                          early=lambda: self.rank != 0 and self.session.store.check([f"{key}/dump"]))
+        self._publish(self._run_here(fn, payload, mesh, extra, seed, scratch, world, size))
+        if gather == "first" and self.rank != 0:
+            return None
+        try:
+            return self._gather(world, label, deadline, start)
+        finally:
+            if gather == "all":
+                self.watchdog.disarm()
+
+    def _enter_round(self, mesh: tuple, extra: tuple, size: int, world: int, label: str, deadline: float) -> str:
+        """A round's setup on every rank: its world, its key, its meshes (collective over the world),
+        its scratch directory, and on rank 0 what the next attempt must judge if this one dies in it."""
+        from ..pool.rank import build_meshes
+
         cells = self.session.cell_world
         if cells.current[0] != size:  # every rank runs every round: the same generations everywhere
             cells.enter(size, cells.current[1] + 1)
             self._meshes.clear()
-        deadline = self.deadline if deadline is None else deadline
         self._task += 1
         # keyed by the test and the call's number within it, not a job-wide count: a rank that
         # skipped a round for any reason cannot read another test's outcomes or verdict as its own
@@ -111,32 +120,21 @@ class RankRunner:
             self.session.set("inflight", {"attempt": self.session.env.attempt, "key": self._key, "world": world,
                                           "label": label, "deadline": deadline, **(self._current or {})},
                              self.session.record)
-        start = time.monotonic()
-        key = self._key
-        # early: rank 0 asks for the stacks before the deadline when a rank raised and the others hang
-        self.watchdog.arm(deadline, lambda: self._expired(world, label, deadline, start),
-                          early=lambda: self.rank != 0 and self.session.store.check([f"{key}/dump"]))
-        if self.rank < world:
-            try:
-                if fn not in self._functions:
-                    self._functions[fn] = load(fn)
-                seed_rank(seed, self.rank)
-                ctx = context(self.rank, mesh, extra, self._meshes, self.session.device, self.backend, scratch)
-                with cells.inside(size):
-                    out = ("ok", self._functions[fn](ctx, payload))
-            except BaseException as error:  # noqa: BLE001  goes to rank 0 with its traceback, as in the pool
-                out = ("raised", explained(error, size) or traceback.format_exc())
-                self.own_failures += 1
-        else:
-            out = ("idle", None)
-        self._publish(out)
-        if gather == "first" and self.rank != 0:
-            return None
-        try:
-            return self._gather(world, label, deadline, start)
-        finally:
-            if gather == "all":
-                self.watchdog.disarm()
+        return scratch
+
+    def _run_here(self, fn: str, payload: Any, mesh: tuple, extra: tuple, seed: int, scratch: str, world: int,
+                  size: int) -> tuple:
+        """This rank's part of the round, the pool's rank body (:func:`harness.pool.rank.run_task`):
+        its reply, ``("idle", None)`` beyond the cell's world."""
+        from ..pool.rank import run_task
+
+        if self.rank >= world:
+            return "idle", None
+        out = run_task(self._functions, fn, payload, self.rank, mesh, extra, self._meshes, self.session.device,
+                       self.backend, scratch, seed, size, inside=self.session.cell_world.inside(size))
+        if out[0] == "raised":
+            self.own_failures += 1
+        return out
 
     def new_scratch(self) -> None:
         """None: a rank's pytest ``tmp_path`` is its own, so the ranks share a directory under the
@@ -182,15 +180,11 @@ class RankRunner:
                 self._expired(world, label, deadline, start)
             time.sleep(POLL)
         self._gathered = True
-        outcomes = {r: Outcome(r, status, value=value) if status != "raised" else
-                    Outcome(r, "raised", detail=value, summary=(value.strip().splitlines() or ["exception"])[-1])
-                    for r, (status, value) in outs.items()}
+        outcomes = {r: Outcome.of_reply(r, status, value) for r, (status, value) in outs.items()}
         if all(o.status in ("ok", "idle") for o in outcomes.values()):
             return {r: outcomes[r].value for r in range(world)}
-        elapsed = time.monotonic() - start
-        what = f"case {label} " if label else "case "
-        raise CaseFailure(f"{what}failed after {elapsed:.1f} s: raised on ranks "
-                          f"{[r for r, o in sorted(outcomes.items()) if o.status == 'raised']}", outcomes, world)
+        raised = [r for r, o in sorted(outcomes.items()) if o.status == "raised"]
+        raise CaseFailure(failure_reason(label, time.monotonic() - start, [("raised", raised)]), outcomes, world)
 
     # ---- verdicts ------------------------------------------------------------------------
     def enter(self, nodeid: str) -> None:
@@ -247,179 +241,6 @@ class RankRunner:
             shutil.rmtree(os.path.join(self._scratch, self._key), ignore_errors=True)
         self._current = None
 
-    # ---- hangs -----------------------------------------------------------------------------
-    def _expired(self, world: int, label: str, deadline: float, start: float) -> None:
-        """The deadline passed (watchdog thread), or on rank 0 a rank raised and others are stuck.
-        Whatever goes wrong in here, rank 0 still ends the attempt: the others wait for it."""
-        try:
-            self._judge_stuck(world, label, deadline, start)
-        except BaseException:  # noqa: BLE001
-            if self.rank == 0 and not self._gathered:
-                self._end_attempt(f"case {label} passed its deadline of {deadline:.1f} s, and gathering the "
-                                  f"ranks' stacks failed:\n{traceback.format_exc()}", "hang")
-            raise
-
-    def _judge_stuck(self, world: int, label: str, deadline: float, start: float) -> None:
-        key, store = self._key, self.session.store
-        if not store.check([f"{key}/out/{self.rank}"]):  # this rank is still in the cell: say where
-            self.own_failures += 1
-            self.session.set(f"{key}/stack/{self.rank}", main_stack(outermost=os.path.join("harness", "torchrun", "runner.py")))
-        elif self.rank != 0:
-            return  # done with its part: its main thread waits for the verdict and acts on it
-        if self.rank != 0:
-            # late or stuck: rank 0 decides. A restart verdict ends this process; a normal verdict, or
-            # the main thread moving on to the next task (a slow rank, not a stuck one), ends the wait.
-            while self._key == key and not store.check([f"{key}/verdict"]):
-                self._exit_if_restarting()
-                time.sleep(POLL)
-            self._exit_if_restarting(key)
-            return
-        if self._gathered:
-            return
-        outcomes: dict[int, Outcome] = {}
-        stuck = []
-        for r in range(world):
-            if store.check([f"{key}/out/{r}"]):
-                status, value = self.session.get(f"{key}/out/{r}")
-                outcomes[r] = Outcome(r, status, detail=value if status == "raised" else "",
-                                      summary=(str(value).strip().splitlines() or [""])[-1] if status == "raised" else "")
-            else:
-                stuck.append(r)
-        self.session.wait_all([f"{key}/stack/{r}" for r in stuck], STACK_GRACE)
-        who = self.session.who()
-        for r in stuck:
-            if self.session.has(f"{key}/stack/{r}"):
-                summary, stack = summarize_stack(self.session.get(f"{key}/stack/{r}"), os.getcwd())
-                outcomes[r] = Outcome(r, "hung", detail=stack, summary=f"{summary} [{self._where(r, who)}]")
-            else:
-                outcomes[r] = Outcome(r, "died", summary=f"no outcome and no stack: the process is gone "
-                                                         f"[{self._where(r, who)}]")
-        what = f"case {label} " if label else "case "
-        raised = [r for r, o in sorted(outcomes.items()) if o.status == "raised"]
-        if not raised:
-            reason = f"{what}passed its deadline of {deadline:.1f} s: ranks {stuck} still running"
-        else:
-            reason = f"{what}failed after {time.monotonic() - start:.1f} s: raised on ranks {raised}, " \
-                     f"still running on ranks {stuck}"
-        failure = CaseFailure(reason, outcomes, world)
-        self._end_attempt(str(failure), failure.kind)
-
-    def _end_attempt(self, text: str, kind: str) -> None:
-        """Rank 0: record the failed cell, tell every rank, and exit so torchrun replaces the group."""
-        note = (f"\n[torchrun] attempt {self.session.env.attempt} ends here: a rank is stuck, so the process group "
-                "cannot be trusted; every rank exits and, with torchrun --max-restarts, the next attempt "
-                "resumes after this cell")
-        current = self._current or {}
-        record = dict(current.get("record") or {})
-        record.update(status="failed", kind=kind)
-        verdict = {"failure": text + note, "record": record, "restart": True, "attempt": self.session.env.attempt}
-        if current.get("nodeid") and record:
-            self.session.set(f"verdict/{current['nodeid']}", verdict, self.session.record)
-        self.session.record.delete_key("inflight")
-        self.session.set(f"{self._key}/verdict", verdict)
-        self._say(f"\n{text}{note}\n")
-        self._exit_for_restart()
-
-    def _say(self, text: str) -> None:
-        """Write to the launcher's stderr: pytest's capture may hold fd 2 when a rank must exit."""
-        if self.stderr is not None:
-            os.write(self.stderr, text.encode())
-        else:
-            print(text, file=sys.__stderr__, flush=True)
-
-    def _exit_if_restarting(self, task: str | None = None) -> None:
-        key = f"{task or self._key}/verdict"
-        if self.session.has(key) and self.session.get(key)["restart"]:
-            self._exit_for_restart()
-
-    def _exit_for_restart(self) -> None:
-        sys.stdout.flush()
-        sys.__stderr__.flush()
-        os._exit(RESTART_EXIT)
-
-    def _where(self, rank: int, who: dict | None = None) -> str:
-        info = (who if who is not None else self.session.who()).get(rank)
-        if not info:
-            return "host unknown"
-        return f"host {info['host']}, local rank {info['local_rank']}, node {info['node']}, pid {info['pid']}"
-
-    # ---- after a restart ---------------------------------------------------------------------
-    def recover(self) -> None:
-        """Before any cell of a restarted attempt: rank 0 judges the cell the previous attempt died
-        in (a rank that left no outcome, no stack and no SIGTERM note died), then every rank goes on."""
-        session = self.session
-        if self.rank == 0 and session.has("inflight", session.record):
-            info = session.get("inflight", session.record)
-            if info.get("record") is not None and not session.has(f"verdict/{info['nodeid']}", session.record):
-                self._judge_death(info)
-            session.record.delete_key("inflight")
-        if self.rank == 0:
-            session.set("recovered", True)
-        elif session.wait_all(["recovered"], SETUP_TIMEOUT):
-            raise RuntimeError(f"rank 0 did not finish recovering the previous attempt within {SETUP_TIMEOUT:g} s")
-
-    def _judge_death(self, info: dict) -> None:
-        session = self.session
-        store = session.attempt_store(info["attempt"])
-        who = session.who(info["attempt"])
-        outcomes, dead = {}, []
-        for r in range(info["world"]):
-            key = f"{info['key']}/out/{r}"
-            if session.has(key, store):
-                status, value = session.get(key, store)
-                outcomes[r] = Outcome(r, status, detail=value if status == "raised" else "",
-                                      summary=(str(value).strip().splitlines() or [""])[-1] if status == "raised" else "")
-            elif session.has(f"{info['key']}/term/{r}", store):
-                outcomes[r] = Outcome(r, "stopped", summary=f"stopped by torchrun (SIGTERM) [{self._where(r, who)}]")
-            else:
-                dead.append(r)
-                outcomes[r] = Outcome(r, "died", summary=f"process died inside the cell [{self._where(r, who)}]")
-        label = info.get("label") or info["nodeid"]
-        named = "; ".join(f"rank {r} ({self._where(r, who)})" for r in dead) or "no rank left a record"
-        reason = (f"case {label} failed: a rank died during it, torchrun stopped the job and restarted it "
-                  f"(attempt {info['attempt']} -> {session.env.attempt}); died: {named}")
-        failure = CaseFailure(reason, outcomes, info["world"])
-        record = dict(info["record"])
-        record.update(status="failed", kind="crash")
-        # judged now, for the attempt that died: replayed from here on
-        verdict = {"failure": str(failure), "record": record, "restart": False, "attempt": info["attempt"]}
-        session.set(f"verdict/{info['nodeid']}", verdict, session.record)
-
-    def install_sigterm_note(self) -> None:
-        """When torchrun stops this rank, note it in the store: at the next attempt a rank without
-        that note, without an outcome, is the one that died."""
-
-        def note() -> None:
-            if self._key:
-                self.session.store.set(f"{self._key}/term/{self.rank}", b"1")
-
-        def bounded() -> None:  # torchrun's SIGKILL follows after 30 s: never spend them on the store
-            writer = threading.Thread(target=note, daemon=True)
-            writer.start()
-            writer.join(2.0)
-
-        on_sigterm(bounded)
-
-    # ---- the end of the job -------------------------------------------------------------------
-    def finish(self, status: int) -> None:
-        """Every rank says it is done; rank 0 waits for all (a rank-0-hosted store must outlive the
-        others' last reads) and records the exit status of a job whose tests all ran, so that a
-        restart torchrun makes because of that status only repeats it."""
-        session = self.session
-        session.set(f"finished/{self.rank}", status)
-        if self.rank == 0:
-            session.wait_all([f"finished/{r}" for r in range(self.size)], 60.0)
-            if status in (0, 1, 5):  # passed, failed, nothing collected: not an interrupted run
-                session.set("complete", status, session.record)
-        # this attempt's, and those of earlier attempts that ended at a hang or a death
-        for attempt in range(session.env.attempt + 1):
-            shutil.rmtree(f"{self._job_scratch}-attempt{attempt}", ignore_errors=True)
-
-    def finished_before(self) -> int | None:
-        """The exit status an earlier attempt of this job finished with, or None."""
-        if self.session.env.attempt == 0 or not self.session.has("complete", self.session.record):
-            return None
-        return int(self.session.get("complete", self.session.record))
 
 
 def start(backend: str = "auto", deadline: float = 30.0, stderr: int | None = None) -> RankRunner:

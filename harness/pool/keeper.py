@@ -1,0 +1,234 @@
+"""The keeper of a kept pool (:mod:`harness.pool.kept`, the client, describes it): the zygote that
+outlives one pytest run, listening on its Unix socket, and each run's zygote it forks.
+
+Started by the client as ``python -c "from harness.pool.keeper import keeper_main; keeper_main()"``
+with its spec (``path``, ``idle``, ``preload``) as JSON in ``argv[1]``.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import time
+
+from .kept import fingerprint, receive, send
+
+
+def keeper_main() -> None:
+    spec = json.loads(sys.argv[1])
+    keeper = Keeper(spec["path"], float(spec["idle"]))
+    signal.signal(signal.SIGTERM, keeper.stop_all)
+    signal.signal(signal.SIGINT, keeper.stop_all)
+    from .rank import import_torch, preload, warm_up
+
+    import_torch()
+    preload(spec["preload"])
+    warm_up()
+    keeper.serve()
+
+
+class Keeper:
+    """The keeper's state: its socket (and whether the file at its path is still its own), its
+    live run zygotes, its idle clock."""
+
+    def __init__(self, path: str, idle: float):
+        self.path, self.idle = path, idle
+        self.own = fingerprint()  # before any import: an edit made while importing makes it stale, not wrong
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            self.listener.bind(path)
+        finally:
+            os.umask(old)
+        self.listener.listen(64)
+        self.inode = os.stat(path).st_ino
+        self.base = path[:-len(".sock")]
+        self.children: set[int] = set()
+        self.runs = 0
+        self.last = time.monotonic()
+
+    def ours(self) -> bool:
+        try:
+            return os.stat(self.path).st_ino == self.inode
+        except FileNotFoundError:
+            return False
+
+    def finish(self, code: int = 0, lock: bool = True) -> None:
+        self.listener.close()
+        if self.ours():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            if lock:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.base + ".lock")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.base + ".log")
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(self.path))  # only when empty
+        os._exit(code)
+
+    def stop_all(self, *_) -> None:
+        for pid in list(self.children):  # each ends its ranks and removes its pool directory
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        for pid in list(self.children):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        self.finish()
+
+    def serve(self) -> None:
+        """Until idle, stopped or stale: reap run zygotes, take each connection's request."""
+        self.last = time.monotonic()
+        while True:
+            self._reap()
+            if not select.select([self.listener], [], [], 1.0)[0]:
+                if (not self.children and time.monotonic() - self.last > self.idle
+                        and _idle_exit(self.base, self.listener)):
+                    self.finish(lock=False)
+                continue
+            conn, _ = self.listener.accept()
+            conn.settimeout(30)
+            try:
+                message, fds = receive(conn)
+            except (OSError, EOFError, ValueError):
+                conn.close()
+                continue
+            self._answer(conn, message, fds)
+
+    def _reap(self) -> None:
+        for pid in list(self.children):
+            with contextlib.suppress(ChildProcessError):
+                done, _ = os.waitpid(pid, os.WNOHANG)
+                if not done:
+                    continue
+            self.children.discard(pid)
+            self.last = time.monotonic()
+        if self.children:
+            self.last = time.monotonic()
+
+    def _answer(self, conn: socket.socket, message: dict, fds: list[int]) -> None:
+        """One request: ``status``, ``stop``, or a run (refused as stale by a keeper whose
+        fingerprint differs from the client's, which then exits)."""
+        if message.get("op") == "status":
+            with contextlib.suppress(OSError):
+                send(conn, {"pid": os.getpid(), "runs": self.runs, "live": sorted(self.children),
+                            "idle": self.idle, "fingerprint": self.own})
+            conn.close()
+            return
+        if message.get("op") == "stop":
+            with contextlib.suppress(OSError):
+                send(conn, {"stopped": True})
+            conn.close()
+            self.stop_all()
+        if message.get("fingerprint") != self.own:  # the harness or the installed packages changed
+            with contextlib.suppress(FileNotFoundError):
+                if self.ours():
+                    os.unlink(self.path)  # the client starts the next keeper at this path
+            with contextlib.suppress(OSError):
+                send(conn, {"stale": True})
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            self.finish(lock=False)
+        self._fork_run(conn, message, fds)
+
+    def _fork_run(self, conn: socket.socket, message: dict, fds: list[int]) -> None:
+        from .rank import preload
+
+        self.idle = float(message.get("idle", self.idle))
+        preload(message.get("preload_kept", ()))  # third-party, kept for the next runs too
+        pid = os.fork()
+        if pid == 0:
+            self.listener.close()
+            try:
+                run_zygote(conn, message, fds)
+            finally:
+                os._exit(1)
+        self.children.add(pid)
+        self.runs += 1
+        for fd in fds:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            send(conn, {"pid": pid})
+        conn.close()
+        self.last = time.monotonic()
+
+
+def _idle_exit(base: str, listener: socket.socket) -> bool:
+    """May the keeper exit now? Not while a client is starting or connecting (it holds the lock)."""
+    try:
+        fd = os.open(base + ".lock", os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return not select.select([listener], [], [], 0)[0]
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        if select.select([listener], [], [], 0)[0]:
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(base + ".lock")  # under the lock: a waiting client sees it gone and takes it again
+        return True
+    finally:
+        os.close(fd)
+
+
+def run_zygote(conn: socket.socket, message: dict, fds: list[int]) -> None:
+    """One run's zygote, forked by the keeper: the run's descriptors, directory, environment and
+    import path, the project's modules imported fresh, then the ranks forked as a pool's zygote
+    forks them. It ends (ranks killed, pool directory removed) when the client's connection ends."""
+    from . import pooldir
+    from .rank import Zygote, preload
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.setpgid(0, 0)  # its ranks and itself: one group the client can kill outright
+    *rank_fds, status = fds
+    os.dup2(status, 1)
+    os.close(status)
+    log = os.open(os.path.join(message["tmp"], "zygote.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.stdout = os.fdopen(1, "w", closefd=False)
+    sys.stderr = os.fdopen(2, "w", closefd=False)
+    os.chdir(message["cwd"])
+    os.environ.clear()
+    os.environ.update(message["env"])
+    sys.path[:] = message["path"]
+    spec = {"fds": rank_fds, "backend": message["backend"], "tmp": message["tmp"], "close": [conn.fileno()]}
+    pooldir.hold(spec["tmp"])
+    zygote = Zygote(spec)
+    signal.signal(signal.SIGTERM, zygote.leave)
+    preload(message.get("preload", ()))  # the project's own modules: fresh in every run
+
+    def watch() -> None:
+        import threading
+
+        def wait_for_eof() -> None:
+            while True:
+                try:
+                    if not conn.recv(4096):
+                        break
+                except InterruptedError:
+                    continue
+                except OSError:
+                    break
+            zygote.leave()
+
+        threading.Thread(target=wait_for_eof, name="harness-client-watch", daemon=True).start()
+
+    conn.settimeout(None)
+    zygote.serve(forked=watch)
+    # every rank is gone (the client's end closed their sockets): end as on the client's EOF, which
+    # the watch thread may be handling now (it exits the process; wait for it)
+    zygote.leave()
+    while True:
+        time.sleep(1)
