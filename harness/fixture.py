@@ -3,9 +3,9 @@
 ``parity(cfg)`` checks the config's rules, skips what the implementation cannot run here, marks a
 declared divergence as strict xfail, runs the cell (:func:`harness.cell.run_cell`, in the warm pool;
 under torchrun on every rank, :func:`harness.torchrun.plugin.on_ranks`) and fails with its table; a
-cell its reference cannot judge (:class:`harness.cell.NotJudged`) is skipped with the reason.
-Each cell leaves one JSON property in the junit XML (:func:`cell_record`): what ``harness.report``
-and the run's summary read.
+cell its reference cannot judge (:class:`harness.resolve.NotJudged`) is skipped with the reason.
+Each cell leaves one JSON property in the junit XML (:func:`harness.record.cell_record`): what
+``harness.report`` and the run's summary read.
 """
 from __future__ import annotations
 
@@ -19,33 +19,7 @@ import pytest
 
 from .commands import rerun_command
 from .config import Config
-
-PROPERTY = "parity"
-
-
-def cell_record(cfg: Config) -> dict:
-    """What the plugin records of a cell (the ``parity`` user property, JSON): its coordinates in
-    the matrix, then its outcome, filled in as the cell runs."""
-    return {"cell": cfg.id, "component": cfg.component, "impl": cfg.impl,
-            "mesh": ".".join(f"{k}{v}" for k, v in cfg.mesh), "dtype": cfg.dtype, "switches": dict(cfg.switches),
-            "status": "failed", "kind": "", "ratio": 0.0, "tensor": "", "norm_ratio": 1.0, "golden": "",
-            "moved": "", "seconds": 0.0, "where": ""}
-
-
-def record_of(report) -> dict | None:
-    """The cell's record a test's report carries (its call phase), or None."""
-    prop = dict(report.user_properties).get(PROPERTY)
-    return json.loads(prop) if prop is not None and report.when == "call" else None
-
-
-def worst(report) -> dict:
-    """The worst tensor of a comparison: its err/tol ratio, name and norm ratio."""
-    rows = report.rows if report else []
-    if not rows:
-        return {}
-    row = max(rows, key=lambda r: r.ratio)
-    return {"ratio": row.ratio, "tensor": row.tensor, "norm_ratio": row.norm_ratio}
-
+from .record import PROPERTY, cell_record, worst
 
 class CellCheck:
     """``parity(cfg)`` for one test: runs the cell through ``pool`` (the warm pool, or under torchrun

@@ -188,7 +188,7 @@ def parity(request, rank_pool):
 
 @pytest.hookimpl(trylast=True)  # after junitxml has kept the whole failure
 def pytest_runtest_logreport(report):
-    from .fixture import record_of
+    from .record import record_of
 
     record = record_of(report)  # read once, for the summary and for the failures printed alike
     _summary.add(report, record)

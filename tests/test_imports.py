@@ -289,3 +289,16 @@ def test_the_layout_check_finds_what_drifted():
                              "harness/nosuch.py: in docs/architecture.md, but no such file",
                              "harness/pool/__init__.py: not in docs/architecture.md",
                              "reference/tp.py: imports harness.screen, not on its line"], found
+
+
+def test_the_report_reads_junit_xml_without_importing_pytest():
+    """``python -m harness.report`` reads the cells' records from junit XML alone: their schema
+    (``harness.record``) is not the fixture's, so the report runs where pytest is not installed."""
+    import subprocess
+    import sys
+
+    code = ("import sys, harness.report, harness.report.junit, harness.report.markdown, harness.report.models; "
+            "print(sorted(m for m in sys.modules if m == 'pytest' or m.startswith(('_pytest', 'pytest.'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout

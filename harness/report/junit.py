@@ -15,7 +15,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..fixture import PROPERTY
+from ..record import PROPERTY
 from ..versions import PROPERTY as VERSIONS
 from ..versions import Library, from_json
 
