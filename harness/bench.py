@@ -37,7 +37,7 @@ import tempfile
 import time
 
 from .cell import assemble_result, parity, run_cell
-from .config import Config, ConfigError
+from .config import Config
 from .pool.parent import Pool
 from .resolve import resolve
 from reference.checkpoint import SIZES as CKPT_SIZES
@@ -210,9 +210,7 @@ def main(argv=None) -> dict:
     cell_repeats = max(20, args.repeats // 10)
     cell_ms = {}
     for name, cfg in CELLS.items():
-        disposition = resolve(cfg).disposition
-        if disposition.kind == "invalid":
-            raise ConfigError(disposition.reason)
+        disposition = resolve(cfg).valid().disposition
         if disposition.kind == "skip":
             print(f"cell {name:<20} skipped: {disposition.reason}", file=sys.stderr)
             continue

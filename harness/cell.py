@@ -9,7 +9,7 @@ import torch
 
 from .compare.diff import Report, compare
 from .compare.tolerance import Tolerances
-from .config import Config, ConfigError
+from .config import Config
 from .golden.store import GoldenError, MissingGolden, golden_path, metadata, read_golden, update_command, write_golden
 from .layout import AssemblyError, MeshLayout, assemble
 from .names import parse
@@ -93,9 +93,7 @@ def execute(cell: Cell | Config, pool, scratch: str | None = None) -> CellOutcom
     holds the parity report and the logical result whether or not they match. ``scratch``: the
     directory the cell's ranks share (the pool's own, removed after it, when None). Raises
     :class:`ConfigError` for an invalid cell; skips and declared divergences are the caller's to decide."""
-    cell = as_cell(cell, pool.size)
-    if cell.disposition.kind == "invalid":
-        raise ConfigError(cell.disposition.reason)
+    cell = as_cell(cell, pool.size).valid()
     cell.reference(pool)  # first: a reference that cannot judge the cell says so before the ranks run it
     return outcome_of(cell, run_pieces(cell, pool, scratch), pool)
 

@@ -310,7 +310,10 @@ def preload_modules(cfgs=None) -> list[str]:
     return sorted({module for path in paths for module in modules(path)})
 
 
-def ranks_needed(cfg: Config) -> int:
+def ranks_needed(cfg: Config, meshes: tuple | None = None) -> int:
     """How many ranks ``cfg`` needs: its mesh's, or the largest of the further meshes its component
-    declares for it (a checkpoint saved on more ranks than it is loaded on)."""
-    return max([cfg.world] + [world_of(mesh) for mesh in meshes_of(get(cfg.component), cfg)])
+    declares for it (``meshes``, when already computed: a checkpoint saved on more ranks than it is
+    loaded on)."""
+    if meshes is None:
+        meshes = meshes_of(get(cfg.component), cfg)
+    return max([cfg.world] + [world_of(mesh) for mesh in meshes])

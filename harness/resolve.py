@@ -20,10 +20,10 @@ import torch
 
 from .compare.tolerance import Tolerances
 from .config import Config, ConfigError
-from .layout import world_of
 from .names import NOT_JUDGED
 from .paths import load
-from .registry import Component, Diagnosis, Implementation, check_rules, diagnosed, get, meshes_of, reference_of
+from .registry import (Component, Diagnosis, Implementation, check_rules, diagnosed, get, meshes_of, ranks_needed,
+                       reference_of)
 
 
 class NotJudged(Exception):
@@ -75,6 +75,12 @@ class Cell:
     def reduction(self) -> int | dict[str, int]:
         """Terms a result's reduction adds (the component's ``reduction``), for the tolerance policy."""
         return load(self.component.reduction)(self.cfg)
+
+    def valid(self) -> Cell:
+        """This cell, or :class:`ConfigError` naming the rule it breaks when it is ``invalid``."""
+        if self.disposition.kind == "invalid":
+            raise ConfigError(self.disposition.reason)
+        return self
 
     def deadline(self, pool) -> float | None:
         """Its deadline in ``pool``: the pool's times the component's ``deadline_factor`` (None: the
@@ -136,7 +142,7 @@ def resolve(cfg: Config, pool_size: int | None = None, job_size: int | None = No
         meshes = meshes_of(component, cfg)
     except ConfigError as error:
         return Cell(cfg, Disposition("invalid", str(error)), world=cfg.world)
-    world = max([cfg.world] + [world_of(mesh) for mesh in meshes])
+    world = ranks_needed(cfg, meshes)
     cell = Cell(cfg, RUN, component, meshes, world)
     if pool_size is not None and world > pool_size:
         return replace(cell, disposition=Disposition(
@@ -162,6 +168,4 @@ def as_cell(cell: Cell | Config, pool_size: int | None = None) -> Cell:
 def check_config(cfg: Config, pool_size: int | None = None) -> None:
     """Raise :class:`ConfigError` naming the rule ``cfg`` breaks (given ``pool_size``, also when the
     pool lacks the ranks it needs): :func:`resolve`'s ``invalid``, as an exception."""
-    disposition = resolve(cfg, pool_size).disposition
-    if disposition.kind == "invalid":
-        raise ConfigError(disposition.reason)
+    resolve(cfg, pool_size).valid()

@@ -20,7 +20,7 @@ import torch
 from .. import events
 from ..cell import assemble_result, parity
 from ..compare.diff import Row, compare
-from ..config import Config, ConfigError
+from ..config import Config
 from ..layout import AssemblyError, MeshLayout, Piece, assemble, summed_over
 from ..pool.parent import CaseFailure, Pool, PoolError
 from ..names import parse
@@ -379,9 +379,7 @@ def _event_tolerance(tol, want: events.Event, calibrated: dict[str, events.Event
 def localise(cfg: Config | Cell, pool: Pool, complete: bool = False) -> Localisation:
     """Record the reference's and the implementation's events for the cell and find the divergence.
     ``complete``: compare every event (kept in ``findings``) instead of stopping where it starts."""
-    cell = as_cell(cfg, pool.size)
-    if cell.disposition.kind == "invalid":
-        raise ConfigError(cell.disposition.reason)
+    cell = as_cell(cfg, pool.size).valid()
     cfg = cell.cfg
     reference = _recorded_reference(cell, pool, cell.component.reference, "its reference")
     calibrated = _calibrated_events(cell, pool)

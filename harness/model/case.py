@@ -44,7 +44,7 @@ class ShardwiseAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         from torch.distributed.tensor import DTensor
 
-        swapped = []  # (group, index, the DTensor parameter, its local shard)
+        swapped = []  # (group, index, the DTensor parameter, its local shard, its state before the step)
         for group in self.param_groups:
             for i, p in enumerate(group["params"]):
                 if (isinstance(p, DTensor) and isinstance(p.grad, DTensor)
