@@ -138,14 +138,16 @@ def _spawned_rank(rank: int, world: int, store_path: str, cfg: Config, out) -> N
     import torch.distributed as dist
 
     from .paths import load
+    from .layout import MeshLayout
     from .pool.rank import build_meshes, context
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     cell = resolve(cfg)
     meshes: dict = {}
-    build_meshes(meshes, (cfg.mesh, *cell.meshes), "gloo")
-    ctx = context(rank, cfg.mesh, cell.meshes, meshes, torch.device("cpu"), "gloo", "")
+    layout = MeshLayout.of(cfg.mesh)
+    build_meshes(meshes, (layout, *cell.meshes), "gloo")
+    ctx = context(rank, layout, cell.meshes, meshes, torch.device("cpu"), "gloo", "")
     pieces = load(cell.impl.run)(ctx, cfg)
     out.send_bytes(pickle.dumps(pieces))  # plain pickle, as the pool sends results
     dist.destroy_process_group()

@@ -41,30 +41,29 @@ class RankContext:
     # the task, whether it passed, failed or hung (checkpoints and other files a case writes).
     scratch: str = ""
     # Further meshes over the first ranks of the same world, declared by the component for this
-    # config (``Component.meshes``): DeviceMeshes keyed by their dims, as ``(("w", 4),)`` (the
-    # layout a checkpoint is loaded under), and harness.meshes layouts keyed by their MeshSpec
-    # (a whole model's dense, sparse and flattened meshes).
-    extra_meshes: dict = field(default_factory=dict)
-    spec_meshes: dict = field(default_factory=dict)
+    # config (``Component.meshes``), keyed by their :class:`harness.layout.MeshDeclaration`: a
+    # DeviceMesh under its MeshLayout (the layout a checkpoint is loaded under), a model's dense,
+    # sparse and flattened meshes under its MeshSpec.
+    declared: dict = field(default_factory=dict)
 
     def mesh(self, dims) -> "torch.distributed.device_mesh.DeviceMesh":
         """The cell's mesh, or a declared extra mesh by its dims (tuple of pairs or ``"dp=2,ep=2"``)."""
-        key = _dims(dims)
-        if key == MeshLayout(self.layout.names, self.layout.shape).dims:
+        key = MeshLayout.of(_dims(dims))
+        if key.dims == self.layout.dims:
             return self.device_mesh
-        try:
-            return self.extra_meshes[key]
-        except KeyError:
-            raise KeyError(f"mesh {key} was not declared for this config; declared: {sorted(self.extra_meshes)}; "
-                           "return it from the component's meshes(cfg)") from None
+        return self._declared(key)
 
     def meshes_for(self, spec) -> "harness.meshes.device_mesh.Meshes":
         """The meshes of a declared :class:`harness.meshes.MeshSpec` on this rank."""
+        return self._declared(spec)
+
+    def _declared(self, mesh):
         try:
-            return self.spec_meshes[spec]
+            return self.declared[mesh]
         except KeyError:
-            raise KeyError(f"mesh spec {spec.id} was not declared for this config; declared: "
-                           f"{sorted(s.id for s in self.spec_meshes)}; return it from the component's meshes(cfg)") from None
+            raise KeyError(f"mesh {mesh.id} was not declared for this config; declared: "
+                           f"{sorted(m.id for m in self.declared) or 'none'}; return it from the component's "
+                           "meshes(cfg)") from None
 
     def group(self, name: str):
         """Process group of this rank's line along mesh dim ``name``."""

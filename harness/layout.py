@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -39,6 +40,18 @@ class MeshLayout:
     def dims(self) -> tuple[tuple[str, int], ...]:
         """The mesh as ``(("dp", 2), ("tp", 4))``, the form configs use."""
         return tuple(zip(self.names, self.shape))
+
+    @property
+    def id(self) -> str:
+        """The mesh as a cell id writes it: ``"dp=2,tp=4"``."""
+        return ",".join(f"{n}={d}" for n, d in self.dims)
+
+    def build(self, device_type: str, world: int) -> "torch.distributed.device_mesh.DeviceMesh":
+        """Its ``DeviceMesh`` over the first ranks of a world of ``world`` (collective: every rank of
+        the default group calls it, those outside the mesh included)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh(device_type, torch.arange(self.world).view(self.shape), mesh_dim_names=self.names)
 
     def coords(self, rank: int) -> tuple[int, ...]:
         if not 0 <= rank < self.world:
@@ -101,10 +114,37 @@ class MeshLayout:
         return cls(names, tuple(int(degrees.get(n, 1)) for n in names))
 
 
-def world_of(mesh) -> int:
-    """How many ranks a mesh spans: a dims tuple's product of degrees, or a ``MeshSpec``'s world."""
-    world = getattr(mesh, "world", None)
-    return int(world) if world is not None else math.prod(d for _, d in mesh)
+class MeshDeclaration(Protocol):
+    """A mesh a task's ranks build: a :class:`MeshLayout` (one ``DeviceMesh``) or a
+    :class:`harness.meshes.MeshSpec` (a model's dense, sparse and flattened meshes). The pool, torchrun
+    and the ranks take every mesh as one, and never ask which."""
+
+    @property
+    def world(self) -> int:
+        """How many ranks it spans."""
+
+    @property
+    def id(self) -> str:
+        """How a message names it."""
+
+    def build(self, device_type: str, world: int) -> Any:
+        """What a rank holds of it, in a world of ``world`` ranks (collective over that world)."""
+
+
+def declared(mesh) -> MeshDeclaration:
+    """``mesh`` as a :class:`MeshDeclaration`: a dims tuple (``(("w", 4),)``) as its
+    :class:`MeshLayout`; a layout or a ``MeshSpec`` as it is. Anything else raises a ``TypeError``
+    saying what a mesh may be."""
+    if isinstance(getattr(mesh, "world", None), int) and callable(getattr(mesh, "build", None)):
+        return mesh
+    try:
+        dims = tuple((str(name), int(degree)) for name, degree in mesh)
+    except (TypeError, ValueError):
+        dims = None
+    if not dims or any(degree < 1 for _, degree in dims):
+        raise TypeError(f"{mesh!r} is not a mesh: declare a mesh as its dims, ((name, degree), ...) such as "
+                        "(('w', 4),), or as a harness.meshes.MeshSpec")
+    return MeshLayout.of(dims)
 
 
 @dataclass(frozen=True)

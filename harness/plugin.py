@@ -145,18 +145,9 @@ def pytest_collection_finish(session):
 
 def _ranks_needed(cfgs, most: int) -> int:
     """The most ranks any selected cell needs (the whole --pool-size for other pool users)."""
-    from .config import ConfigError
-    from .registry import ranks_needed
-
-    need = 1
-    for cfg in cfgs:
-        if cfg is None:
-            return most
-        try:
-            need = max(need, ranks_needed(cfg))
-        except ConfigError:  # reported by the cell itself
-            need = max(need, cfg.world)
-    return min(need, most)
+    if any(cfg is None for cfg in cfgs):
+        return most
+    return min(max([1] + [selection.world_needed(cfg) for cfg in cfgs]), most)
 
 
 def _pool(config, size: int | None = None, preload: tuple[str, ...] | None = None):

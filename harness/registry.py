@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
 from .config import Config, ConfigError
-from .layout import world_of
+from .layout import declared
 from .paths import load, modules
 from .world import alone
 
@@ -192,8 +192,18 @@ def check_rules(component: Component, cfg: Config) -> None:
 
 
 def meshes_of(component: Component, cfg: Config) -> tuple:
-    """What ``cfg``'s ranks build besides its mesh (the component's ``meshes``)."""
-    return tuple(load(component.meshes)(cfg)) if component.meshes else ()
+    """What ``cfg``'s ranks build besides its mesh (the component's ``meshes``), each as a
+    :class:`harness.layout.MeshDeclaration`; a declaration that is no mesh makes the cell invalid: a
+    :class:`ConfigError` naming the component's path and what a mesh may be."""
+    if not component.meshes:
+        return ()
+    out = []
+    for mesh in load(component.meshes)(cfg):
+        try:
+            out.append(declared(mesh))
+        except TypeError as error:
+            raise ConfigError(f"{component.meshes} returned, for {cfg.id}, {error}") from None
+    return tuple(out)
 
 
 def diagnosed(component: Component, cfg: Config, pool, report, rerun: bool) -> Diagnosis:
@@ -316,4 +326,4 @@ def ranks_needed(cfg: Config, meshes: tuple | None = None) -> int:
     loaded on)."""
     if meshes is None:
         meshes = meshes_of(get(cfg.component), cfg)
-    return max([cfg.world] + [world_of(mesh) for mesh in meshes])
+    return max([cfg.world] + [mesh.world for mesh in meshes])

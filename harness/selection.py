@@ -24,6 +24,18 @@ def cell_config(item) -> Config | None:
     return cfg if isinstance(cfg, Config) else None
 
 
+def world_needed(cfg: Config) -> int:
+    """How many ranks ``cfg`` needs, for ordering and sizing at collection: its mesh's where its
+    component's rules or mesh declarations fail, which the cell itself then reports (a collection
+    hook that raised would end the whole session with an INTERNALERROR)."""
+    from .registry import ranks_needed
+
+    try:
+        return ranks_needed(cfg)
+    except Exception:  # noqa: BLE001  reported by the cell, with its id
+        return cfg.world
+
+
 def mesh_kind(cfg: Config) -> tuple[str, ...]:
     """The dims a cell's mesh splits over (degree above 1), in its order: ``("rep", "dp")`` is HSDP,
     ``("pp", "dp", "tp")`` a 3-D mesh; ``()`` one rank."""
@@ -150,15 +162,9 @@ def by_world(items) -> None:
     module's own order otherwise): a worker's cells of one size run one after another, so its ranks
     make a new world (:mod:`harness.world`) once per size, not once per cell; and the largest cells,
     the longest, start first instead of leaving the other worker idle at the end."""
-    from .config import ConfigError
-    from .registry import ranks_needed
-
     def need(item) -> int:
         cfg = cell_config(item)
-        try:
-            return ranks_needed(cfg) if cfg is not None else 0
-        except ConfigError:  # reported by the cell itself
-            return cfg.world
+        return world_needed(cfg) if cfg is not None else 0
     start = 0
     while start < len(items):
         end = start

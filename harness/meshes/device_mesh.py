@@ -117,6 +117,15 @@ class MeshSpec:
     def degrees(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "world"}
 
+    def build(self, device_type: str, world: int) -> "Meshes":
+        """Its :class:`Meshes` on this rank of a world of ``world`` ranks, laid as side-by-side copies
+        over the whole world (a rank beyond the cell's holds a copy and stays idle); collective over
+        that world. The :class:`harness.layout.MeshDeclaration` a task's ranks build."""
+        if world % self.world:
+            raise ConfigError(f"a model cell's mesh of {self.world} ranks does not tile the {world} ranks there are: "
+                              f"run model cells with a number of ranks that {self.world} divides (--pool-size)")
+        return build(self, device_type, copies=world // self.world)
+
     # ---- the model ----------------------------------------------------------------------------
     def dense(self) -> MeshLayout:
         return MeshLayout(DENSE, tuple(getattr(self, n) for n in DENSE))

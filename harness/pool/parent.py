@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from ..layout import world_of
+from ..layout import MeshLayout, declared
 from . import pooldir
 from .backend import resolve as resolve_backend
 
@@ -55,18 +55,18 @@ class PoolError(RuntimeError):
     """The pool could not start or cannot run a task of this shape."""
 
 
-def fitting(mesh, extra_meshes, size: int, short: str) -> tuple[int, int, tuple]:
-    """The world of ``mesh``, the world the task runs in (the largest of all its meshes'), and the
-    extra meshes (dims tuples as tuples of ``(name, degree)``, MeshSpecs as they are); a
+def fitting(mesh, extra_meshes, size: int, short: str) -> tuple[int, int, MeshLayout, tuple]:
+    """The world of ``mesh``, the world the task runs in (the largest of all its meshes'), ``mesh`` as
+    its :class:`MeshLayout` and each extra mesh as a :class:`harness.layout.MeshDeclaration`; a
     :class:`PoolError` when one needs more than ``size`` ranks (``short``: what there is and the fix,
     a format string with ``{size}`` and ``{need}``)."""
-    extra = tuple(tuple((str(n), int(d)) for n, d in m) if isinstance(m, tuple) else m for m in extra_meshes)
-    needs = [world_of(m) for m in (mesh, *extra)]
-    for m, need in zip((mesh, *extra), needs):
-        if need > size:
-            raise PoolError(f"mesh {getattr(m, 'id', m)} needs {need} ranks but {short.format(size=size, need=need)} "
+    layout = MeshLayout.of(tuple(mesh))
+    extra = tuple(declared(m) for m in extra_meshes)
+    for m in (layout, *extra):
+        if m.world > size:
+            raise PoolError(f"mesh {m.id} needs {m.world} ranks but {short.format(size=size, need=m.world)} "
                             "or choose a smaller mesh")
-    return needs[0], max(needs), extra
+    return layout.world, max(m.world for m in (layout, *extra)), layout, extra
 
 
 @dataclass
@@ -370,8 +370,8 @@ class Pool:
             ) -> dict[int, Any]:
         """Run ``fn(ctx, payload)`` (an import path, ``"module:function"``) on every rank of ``mesh``.
 
-        ``extra_meshes``: further meshes (over the first ranks of the pool: dims tuples, or
-        MeshSpecs) the task may use through ``ctx.mesh(dims)`` or ``ctx.meshes_for(spec)``. The task
+        ``extra_meshes``: further meshes (over the first ranks of the pool: dims tuples, MeshLayouts
+        or MeshSpecs, :func:`harness.layout.declared`) the task may use through ``ctx.mesh(dims)`` or ``ctx.meshes_for(spec)``. The task
         runs in a world of the largest of these meshes (:mod:`harness.world`: its default group,
         torchrun's environment), whose every rank takes part in creating their groups, so they must
         be declared here rather than built inside the task.
@@ -382,9 +382,9 @@ class Pool:
         Returns each mesh rank's return value. Raises :class:`CaseFailure` when any rank raises,
         dies or is still running at the deadline, with every rank's outcome.
         """
-        world, size, extra = fitting(mesh, extra_meshes, self.size, "the pool has {size}: run with --pool-size {need}")
+        world, size, mesh, extra = fitting(mesh, extra_meshes, self.size,
+                                           "the pool has {size}: run with --pool-size {need}")
         self.start()
-        mesh = tuple(mesh)
         if self._world[0] != size:  # a world of another size: a new default group, new meshes
             self._world = (size, self._world[1] + 1)
             self._built.clear()
@@ -415,7 +415,7 @@ class Pool:
         lazy imports before its fork (the optimizer step's ``torch._dynamo``, about 1 s), so a
         reference computed here costs this process none of them. Returns that rank's value; raises
         :class:`CaseFailure` as :meth:`run`."""
-        if world_of(mesh) != 1:
+        if MeshLayout.of(tuple(mesh)).world != 1:
             raise PoolError(f"a task alone runs on a mesh of one rank, not {mesh}")
         return self._beside().run(fn, payload, mesh, seed=seed, label=label,
                                   deadline=self.deadline if deadline is None else deadline)[0]

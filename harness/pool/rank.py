@@ -186,59 +186,29 @@ def seed_rank(seed: int, rank: int) -> None:
 
 
 def build_meshes(meshes: dict, wanted, backend: str) -> None:
-    """Build every mesh of ``wanted`` that ``meshes`` lacks, and cache it by its description: a dims
-    tuple becomes a ``DeviceMesh``, a :class:`harness.meshes.MeshSpec` its ``Meshes`` (dense, sparse
-    and flattened).
+    """Build every mesh of ``wanted`` (each a :class:`harness.layout.MeshDeclaration`) that ``meshes``
+    lacks, and cache what this rank holds of it by the declaration.
 
     Collective: every rank of the default process group must call it with the same ``wanted``, the
     ranks outside a (smaller) mesh included, because each DeviceMesh makes its groups with
     ``new_group`` over the whole world. Shared by the pool's ranks and by torchrun's ranks
     (harness.torchrun), so both build the same groups in the same order.
     """
-    import torch
-    from torch.distributed.device_mesh import DeviceMesh
+    import torch.distributed as dist
 
-    from ..layout import MeshLayout
-    from ..meshes.device_mesh import MeshSpec
     from .backend import device_type
 
     for mesh in wanted:
-        if mesh in meshes:
-            continue
-        if isinstance(mesh, MeshSpec):
-            meshes[mesh] = spec_meshes(mesh, backend)
-        else:
-            shape = MeshLayout.of(mesh)
-            ranks = torch.arange(shape.world).view(shape.shape)
-            meshes[mesh] = DeviceMesh(device_type(backend), ranks, mesh_dim_names=shape.names)
+        if mesh not in meshes:
+            meshes[mesh] = mesh.build(device_type(backend), dist.get_world_size())
 
 
-def spec_meshes(spec, backend: str):
-    """Every rank builds the dense, sparse and flattened meshes of ``spec``, laid as side-by-side
-    copies over the whole world (the groups are made over it; a rank beyond the cell's world
-    holds a copy and stays idle)."""
-    import torch.distributed as dist
-
-    from ..meshes.device_mesh import build
-    from .backend import device_type
-
-    world = dist.get_world_size()
-    if world % spec.world:
-        raise RuntimeError(f"a model cell's mesh of {spec.world} ranks does not tile the {world} ranks there are: "
-                           f"run model cells with a number of ranks that {spec.world} divides (--pool-size)")
-    return build(spec, device_type(backend), copies=world // spec.world)
-
-
-def context(rank: int, mesh, extra, meshes: dict, device, backend: str, scratch: str):
-    """The :class:`harness.context.RankContext` of a task on ``mesh`` with the ``extra`` meshes,
-    from this rank's built meshes."""
+def context(rank: int, layout, extra, meshes: dict, device, backend: str, scratch: str):
+    """The :class:`harness.context.RankContext` of a task on ``layout`` (a :class:`MeshLayout`)
+    with the ``extra`` declared meshes, from this rank's built meshes."""
     from ..context import RankContext
-    from ..layout import MeshLayout
-    from ..meshes.device_mesh import MeshSpec
 
-    return RankContext(rank, MeshLayout.of(mesh), meshes[mesh], device, backend, scratch,
-                       {m: meshes[m] for m in extra if not isinstance(m, MeshSpec)},
-                       {m: meshes[m] for m in extra if isinstance(m, MeshSpec)})
+    return RankContext(rank, layout, meshes[layout], device, backend, scratch, {m: meshes[m] for m in extra})
 
 
 def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
@@ -254,7 +224,6 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from ..layout import MeshLayout
     from ..world import World
     from .backend import rank_device
     from .groups import share_groups
@@ -286,7 +255,7 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
                 continue
             with world.inside(size):
                 build_meshes(meshes, (mesh, *extra), backend)
-                if rank >= MeshLayout.of(mesh).world:
+                if rank >= mesh.world:
                     _send(conn, ("idle", task, rank, None))
                     continue
                 status, value = run_task(functions, path, payload, rank, mesh, extra, meshes, device, backend,
