@@ -78,10 +78,15 @@ def test_a_change_to_the_component_table_selects_every_cell(clone):
 
 
 def test_a_package_init_runs_for_every_module_under_it(clone):
-    """``harness/meshes/__init__.py`` runs whenever ``harness.meshes.device_mesh`` is imported (by the
-    pool's ranks): a change to it is a change to the machinery."""
+    """``harness/meshes/__init__.py`` runs whenever a module under it is imported: a change to it moves
+    the cells a change to ``harness/meshes/device_mesh.py`` moves (every model cell's plan imports it;
+    the pool's ranks do not, so a tp cell of ours is not among them). ``harness/pool/__init__.py``
+    runs above the pool's rank loop: a change to it is a change to the machinery, every cell."""
+    under, _ = selected_after(clone, "harness/meshes/device_mesh.py")
+    init, _ = selected_after(clone, "harness/meshes/__init__.py")
     every, _ = selected(clone)
-    cells, _ = selected_after(clone, "harness/meshes/__init__.py")
+    assert init == under and under["titan"] == every["titan"] and 0 < under["tp"] < every["tp"], (init, under)
+    cells, _ = selected_after(clone, "harness/pool/__init__.py")
     assert cells == every
 
 
