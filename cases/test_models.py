@@ -50,11 +50,13 @@ ACCELERATE = accelerate_hf.cells()
 # dp·cp, the 3D seed pp2·dp2·tp2 (autograd and its manual-backward MLP), dp2ep on dp2·cp2·tp2, and a
 # reshard of FSDP4·TP2·EP2 to HSDP2×2·TP2·EP2; the 16-rank pp2·dp2·cp2·tp2·ep4 cell runs under torchrun
 # (tests/test_composed.py)
-from harness.examples.composed.case import cells as composed_cells  # noqa: E402
+from harness.examples.composed.case import cells as composed_cells, quick_cells as composed_quick_cells  # noqa: E402
 
 COMPOSED = composed_cells()
+# and what --quick runs in their place: 3 steps, not 10 (harness.selection.select_quick)
+COMPOSED_QUICK = [pytest.param(cfg, marks=pytest.mark.quick_only) for cfg in composed_quick_cells()]
 
-CELLS = TITAN + TITANMP + HF + COMPOSED + HFPRETRAINED + QWEN3MOEGMM + TITANWORLD + ACCELERATE
+CELLS = TITAN + TITANMP + HF + COMPOSED + COMPOSED_QUICK + HFPRETRAINED + QWEN3MOEGMM + TITANWORLD + ACCELERATE
 
 
 @pytest.mark.parametrize("cfg", CELLS, ids=str)

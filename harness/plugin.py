@@ -62,6 +62,9 @@ def pytest_configure(config):
         stopped = stop(str(config.rootpath))
         pytest.exit(f"stopped {len(stopped)} kept pool(s) of {config.rootpath}", 0)
     config.stash[_KEEP] = keep_seconds(config)
+    selection.one_cell_at_a_time(config)
+    config.addinivalue_line("markers", f"{selection.QUICK_ONLY}: a shorter twin of a matrix cell (fewer steps or "
+                            "smaller sizes) that --quick runs in its place, and nothing else runs")
     _check_implementations()
     if launched_by_torchrun():
         _torchrun(config)
@@ -104,6 +107,8 @@ def pytest_collection_modifyitems(config, items):
         selection.select_changed(config, items)
     if config.getoption("--quick"):
         selection.select_quick(config, items)
+    else:
+        selection.drop_quick_only(config, items)
     selection.by_world(items)
 
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import shlex
 from collections import defaultdict
+from collections.abc import Iterable
 
 import pytest
 
 from .config import ID_SHAPE, Config
 
+QUICK_ONLY = "quick_only"  # the marker of a cell that only --quick runs (:func:`select_quick`)
 DESELECTED_CELL = pytest.StashKey[str]()  # the id of a cell some deselection dropped: an example
 NO_CELL = pytest.StashKey[str]()  # the line that says -k matched no cell
 NO_CELL_KEY = "parity_no_cell"  # the same line, from an xdist worker to the controller
@@ -42,12 +44,18 @@ def mesh_kind(cfg: Config) -> tuple[str, ...]:
     return tuple(name for name, degree in cfg.mesh if degree > 1)
 
 
-def quick_selection(cfgs: list[Config]) -> set[Config]:
+def quick_selection(cfgs: list[Config], quick_only: Iterable[Config] = ()) -> set[Config]:
     """Per (component, implementation): cells on the smallest mesh world above one (or the only
     world there is), picked in order until every such mesh, dtype and switch value appears once;
     and of every other kind of mesh it has (:func:`mesh_kind`: HSDP, 3 dims, ...), its smallest
     cell; and each value of a switch that acts only with some mesh dims, on a mesh where it acts.
-    Small, yet every component, implementation, dtype, switch value and kind of mesh runs."""
+    Small, yet every component, implementation, dtype, switch value and kind of mesh runs.
+
+    ``quick_only``: cells that stand in for those equal to them but for their sizes (fewer training
+    steps), which are then never picked."""
+    quick_only = set(quick_only)
+    stood_for = {_but_sizes(cfg) for cfg in quick_only}
+    cfgs = [cfg for cfg in cfgs if cfg in quick_only or _but_sizes(cfg) not in stood_for]
     worlds: dict[tuple[str, str], set[int]] = defaultdict(set)
     for cfg in cfgs:
         worlds[cfg.component, cfg.impl].add(cfg.world)
@@ -69,6 +77,10 @@ def quick_selection(cfgs: list[Config]) -> set[Config]:
     covered = {(c.component, c.impl, mesh_kind(c)) for c in keep}
     keep |= {cfg for kind, cfg in kinds.items() if kind not in covered}
     return keep | _where_switches_act(cfgs, keep)
+
+
+def _but_sizes(cfg: Config) -> Config:
+    return cfg.replace(sizes=())
 
 
 def _where_switches_act(cfgs: list[Config], keep: set[Config]) -> set[Config]:
@@ -98,12 +110,31 @@ def _where_switches_act(cfgs: list[Config], keep: set[Config]) -> set[Config]:
 def select_quick(config, items) -> None:
     """``--quick``: the :func:`quick_selection` cells, and no other test that needs the rank pool
     (the mesh-layout checks); the rest deselected."""
-    keep = quick_selection([cfg for cfg in map(cell_config, items) if cfg is not None])
+    cfgs = {item: cell_config(item) for item in items}
+    keep = quick_selection([cfg for cfg in cfgs.values() if cfg is not None],
+                           [cfgs[item] for item in items if cfgs[item] is not None and quick_only(item)])
+    _keep(config, items, lambda item: cfgs[item] in keep if cfgs[item] is not None
+          else "rank_pool" not in getattr(item, "fixturenames", ()))
+
+
+def quick_only(item) -> bool:
+    """Whether ``item`` is marked ``quick_only``: a shorter twin of a matrix cell, run by ``--quick`` in
+    its place and by nothing else."""
+    return item.get_closest_marker(QUICK_ONLY) is not None
+
+
+def drop_quick_only(config, items) -> None:
+    """Without ``--quick``: the ``quick_only`` cells deselected (the cells they stand for run in full),
+    but for one named by its node id."""
+    named = set(config.args)
+    _keep(config, items, lambda item: not quick_only(item) or item.nodeid in named)
+
+
+def _keep(config, items, wanted) -> None:
+    """Deselect the items ``wanted`` refuses, as pytest reports deselected ones."""
     selected, deselected = [], []
     for item in items:
-        cfg = cell_config(item)
-        wanted = cfg in keep if cfg is not None else "rank_pool" not in getattr(item, "fixturenames", ())
-        (selected if wanted else deselected).append(item)
+        (selected if wanted(item) else deselected).append(item)
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
@@ -125,16 +156,13 @@ def select_changed(config, items) -> None:
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None and not hasattr(config, "workerinput"):  # the controller says it, once
         reporter.write_line(changes.describe())
-    selected, deselected = [], []
-    for item in items:
-        module = module_of(str(Path(item.path).resolve().relative_to(root.resolve()))) if Path(item.path).resolve() \
-            .is_relative_to(root.resolve()) else None
+
+    def wanted(item) -> bool:
+        path = Path(item.path).resolve()
+        module = module_of(str(path.relative_to(root.resolve()))) if path.is_relative_to(root.resolve()) else None
         cfg = cell_config(item)
-        wanted = changes.moves(cfg, module) if cfg is not None else changes.reaches(module)
-        (selected if wanted else deselected).append(item)
-    if deselected:
-        config.hook.pytest_deselected(items=deselected)
-        items[:] = selected
+        return changes.moves(cfg, module) if cfg is not None else changes.reaches(module)
+    _keep(config, items, wanted)
 
 
 def remember_deselected(items) -> None:
@@ -155,6 +183,16 @@ def no_cell_matched(config, items) -> str | None:
         return None
     return (f"no cell matched -k {shlex.quote(keyword)}; an id looks like {ID_SHAPE}, e.g. {example} "
             "(-k matches pieces of it: -k 'tp2 and bf16')")
+
+
+def one_cell_at_a_time(config) -> None:
+    """Under pytest-xdist's load scheduling, hand each worker its next cell when it is nearly done
+    (``--maxschedchunk 1``), unless the user chose a chunk: cells last from 0.05 s to 10 s, and xdist's
+    default chunks (up to half a worker's share, in collection order) handed one worker a run of
+    8-rank model cells while the other sat idle for the last 40 to 50 s of ``--quick``."""
+    option = config.option
+    if getattr(option, "dist", "no") == "load" and getattr(option, "maxschedchunk", 0) is None:
+        option.maxschedchunk = 1
 
 
 def by_world(items) -> None:
