@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ast
 import subprocess
-from collections import defaultdict
 from pathlib import Path
 
 from .config import Config
