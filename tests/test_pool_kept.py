@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.checkout import user_env
+from tests.checkout import copy_checkout, user_env
 from tests.test_outside_project import IMPLEMENTATIONS, code_blocks, doc_section, project_files
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -195,7 +195,10 @@ def test_a_kept_pool_exits_after_its_idle_timeout_and_leaves_nothing(box):
 @pytest.mark.slow
 def test_a_kept_pool_belongs_to_one_checkout_and_stale_harness_files_restart_it(box, tmp_path):
     a, b = make_project(box["root"] / "project_a"), make_project(box["root"] / "project_b")
-    env = dict(box["env"], PARITYTEST_KEEP_POOL="120")
+    # harness files of this test's own: touching this checkout's would make a keeper of a test running
+    # beside this one (on the other xdist worker) stale as well
+    checkout = copy_checkout(tmp_path / "checkout")
+    env = dict(box["env"], PARITYTEST_KEEP_POOL="120", PYTHONPATH=str(checkout))
     assert pytest_in(a, env, "-k", ONE_CELL).returncode == 0
     assert pytest_in(b, env, "-k", ONE_CELL).returncode == 0
     in_a, in_b = status(a, env), status(b, env)
@@ -203,9 +206,7 @@ def test_a_kept_pool_belongs_to_one_checkout_and_stale_harness_files_restart_it(
     assert len([n for n in left_in(box["runtime"] / "paritytest") if n.endswith(".sock")]) == 2
 
     # a keeper whose harness files changed since it started is stale: the next run starts another
-    from harness.pool import kept
-
-    os.utime(kept.__file__)
+    os.utime(checkout / "harness" / "pool" / "kept.py")
     assert pytest_in(a, env, "-k", ONE_CELL).returncode == 0
     fresh = status(a, env)
     assert fresh["pid"] != in_a["pid"] and fresh["runs"] == POOLS_PER_RUN, (in_a, fresh)
