@@ -148,6 +148,7 @@ def select_changed(config, items) -> None:
     from .changes import ChangedError, Changes, module_of
 
     root = Path(config.rootpath)
+    here = root.resolve()
     try:
         changes = Changes(root, config.getoption("--changed"),
                           Path(config.getoption("--golden-dir") or root / "golden"))
@@ -159,7 +160,7 @@ def select_changed(config, items) -> None:
 
     def wanted(item) -> bool:
         path = Path(item.path).resolve()
-        module = module_of(str(path.relative_to(root.resolve()))) if path.is_relative_to(root.resolve()) else None
+        module = module_of(str(path.relative_to(here))) if path.is_relative_to(here) else None
         cfg = cell_config(item)
         return changes.moves(cfg, module) if cfg is not None else changes.reaches(module)
     _keep(config, items, wanted)

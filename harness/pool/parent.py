@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
-import math
 import os
 import pickle
 import re
@@ -55,18 +54,18 @@ class PoolError(RuntimeError):
     """The pool could not start or cannot run a task of this shape."""
 
 
-def fitting(mesh, extra_meshes, size: int, short: str) -> tuple[int, int, MeshLayout, tuple]:
-    """The world of ``mesh``, the world the task runs in (the largest of all its meshes'), ``mesh`` as
-    its :class:`MeshLayout` and each extra mesh as a :class:`harness.layout.MeshDeclaration`; a
-    :class:`PoolError` when one needs more than ``size`` ranks (``short``: what there is and the fix,
-    a format string with ``{size}`` and ``{need}``)."""
+def fitting(mesh, extra_meshes, size: int, short: str) -> tuple[MeshLayout, tuple, int]:
+    """``mesh`` as its :class:`MeshLayout`, each extra mesh as a :class:`harness.layout.MeshDeclaration`,
+    and the world the task runs in (the largest of all its meshes'); a :class:`PoolError` when one
+    needs more than ``size`` ranks (``short``: what there is and the fix, a format string with
+    ``{size}`` and ``{need}``)."""
     layout = MeshLayout.of(tuple(mesh))
     extra = tuple(declared(m) for m in extra_meshes)
     for m in (layout, *extra):
         if m.world > size:
             raise PoolError(f"mesh {m.id} needs {m.world} ranks but {short.format(size=size, need=m.world)} "
                             "or choose a smaller mesh")
-    return layout.world, max(m.world for m in (layout, *extra)), layout, extra
+    return layout, extra, max(m.world for m in (layout, *extra))
 
 
 @dataclass
@@ -371,8 +370,8 @@ class Pool:
         """Run ``fn(ctx, payload)`` (an import path, ``"module:function"``) on every rank of ``mesh``.
 
         ``extra_meshes``: further meshes (over the first ranks of the pool: dims tuples, MeshLayouts
-        or MeshSpecs, :func:`harness.layout.declared`) the task may use through ``ctx.mesh(dims)`` or ``ctx.meshes_for(spec)``. The task
-        runs in a world of the largest of these meshes (:mod:`harness.world`: its default group,
+        or MeshSpecs, :func:`harness.layout.declared`) the task may use through ``ctx.mesh(dims)`` or
+        ``ctx.meshes_for(spec)``. The task runs in a world of the largest of these meshes (:mod:`harness.world`: its default group,
         torchrun's environment), whose every rank takes part in creating their groups, so they must
         be declared here rather than built inside the task.
 
@@ -382,8 +381,8 @@ class Pool:
         Returns each mesh rank's return value. Raises :class:`CaseFailure` when any rank raises,
         dies or is still running at the deadline, with every rank's outcome.
         """
-        world, size, mesh, extra = fitting(mesh, extra_meshes, self.size,
-                                           "the pool has {size}: run with --pool-size {need}")
+        mesh, extra, size = fitting(mesh, extra_meshes, self.size, "the pool has {size}: run with --pool-size {need}")
+        world = mesh.world
         self.start()
         if self._world[0] != size:  # a world of another size: a new default group, new meshes
             self._world = (size, self._world[1] + 1)

@@ -78,8 +78,9 @@ class RankRunner(Attempts):
             self.session.set(f"{self._test}/{self._task + 1}/request",
                              {"fn": fn, "payload": payload, "mesh": mesh, "seed": seed, "deadline": deadline,
                               "label": label, "extra_meshes": tuple(extra_meshes)})
-        world, size, mesh, extra = fitting(mesh, extra_meshes, self.size,
-                                           "this torchrun job has {size}: launch at least {need} ranks")
+        mesh, extra, size = fitting(mesh, extra_meshes, self.size,
+                                    "this torchrun job has {size}: launch at least {need} ranks")
+        world = mesh.world
         deadline = self.deadline if deadline is None else deadline
         scratch = self._enter_round(mesh, extra, size, world, label, deadline)
         start = time.monotonic()
