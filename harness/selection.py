@@ -48,7 +48,8 @@ def quick_selection(cfgs: list[Config], quick_only: Iterable[Config] = ()) -> se
     """Per (component, implementation): cells on the smallest mesh world above one (or the only
     world there is), picked in order until every such mesh, dtype and switch value appears once;
     and of every other kind of mesh it has (:func:`mesh_kind`: HSDP, 3 dims, ...), its smallest
-    cell; and each value of a switch that acts only with some mesh dims, on a mesh where it acts.
+    cell; and each switch value those did not run where it acts, on few cells of the smallest worlds
+    (:func:`_where_switches_act`).
     Small, yet every component, implementation, dtype, switch value and kind of mesh runs.
 
     ``quick_only``: cells that stand in for those equal to them but for their sizes (fewer training
@@ -84,8 +85,12 @@ def _but_sizes(cfg: Config) -> Config:
 
 
 def _where_switches_act(cfgs: list[Config], keep: set[Config]) -> set[Config]:
-    """For each value of a switch that acts only with some mesh dims (``Space.acts_with``: sequence
-    parallelism with tp) and that no kept cell runs on such a mesh: the smallest cell that does."""
+    """Each value of a switch that no kept cell runs where it acts (``Space.acts_with``: sequence
+    parallelism with tp; a switch without it acts everywhere, so this also shows the values that only
+    larger worlds have). Smallest world first; a cell whose switches do not all hold one value before
+    one that does (a checkpoint saved under one layout and loaded under another before a round trip
+    through the same, which reshards nothing); then the cell that shows the most such values at once
+    (a checkpoint cell shows a save and a load layout: one cell, not two, where both are new)."""
     from .registry import get, space_of
 
     spaces: dict[str, dict] = {}  # component -> its switches' dims
@@ -97,14 +102,20 @@ def _where_switches_act(cfgs: list[Config], keep: set[Config]) -> set[Config]:
         dims = spaces[cfg.component].get(name)
         return dims is None or any(cfg.degree(d) > 1 for d in dims)
 
-    done = {(c.component, c.impl, k, v) for c in keep for k, v in c.switches if acts(c, k)}
-    chosen: dict[tuple, Config] = {}
-    for cfg in cfgs:
-        for k, v in cfg.switches:
-            feature = (cfg.component, cfg.impl, k, v)
-            if feature not in done and acts(cfg, k) and (feature not in chosen or cfg.world < chosen[feature].world):
-                chosen[feature] = cfg
-    return set(chosen.values())
+    shows = {cfg: {(cfg.component, cfg.impl, k, v) for k, v in cfg.switches if acts(cfg, k)} for cfg in cfgs}
+    wanted = set().union(*shows.values()) - set().union(*(shows[c] for c in keep if c in shows))
+    chosen: set[Config] = set()
+    while wanted:
+        best = min((cfg for cfg in cfgs if shows[cfg] & wanted),
+                   key=lambda cfg: (cfg.world, _one_value(cfg), -len(shows[cfg] & wanted)))
+        chosen.add(best)
+        wanted -= shows[best]
+    return chosen
+
+
+def _one_value(cfg: Config) -> bool:
+    """Whether the cell's switches, two or more, all hold the same value."""
+    return len(cfg.switches) > 1 and len({v for _, v in cfg.switches}) == 1
 
 
 def select_quick(config, items) -> None:

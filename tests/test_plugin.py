@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from harness.config import Config
 from harness.matrix import cells
 from harness.commands import rerun_command
 from harness.selection import quick_selection
@@ -204,6 +205,23 @@ def test_quick_covers_every_component_impl_dtype_and_switch_and_every_kind_of_me
     assert {c.dtype for c in ours} == {"fp32", "bf16"} and {c.switch("op") for c in ours} == {"mlp", "sp", "xent"}
     assert len(ours) < 6  # each value at least once, not the product of dtypes and ops
     assert {c.mesh for c in kept if c.component == "ringattn"} == {(("cp", 1),)}  # the only world there is
+
+
+def test_quick_shows_two_new_layouts_in_one_resharding_cell():
+    """Checkpoint cells are (save, load) pairs of layouts, most of whose values exist only in worlds
+    above the smallest: each value runs, two new ones to a cell where it can, and a save and a load
+    under one layout (no reshard) only where no other cell shows the value."""
+    layouts = {"fsdp1": 1, "fsdp2": 2, "fsdp4": 4, "hsdp2x2": 4, "fsdptp2x2": 4, "fsdp8": 8, "hsdp2x4": 8,
+               "fsdptp4x2": 8}
+    cfgs = [Config("ckpt", "dcp", (("w", max(layouts[s], layouts[l])),), "fp32", (), {"save": s, "load": l})
+            for s in layouts for l in layouts]
+    kept = quick_selection(cfgs)
+    assert {c.switch("save") for c in kept} == {c.switch("load") for c in kept} == set(layouts)
+    assert all(c.switch("save") != c.switch("load") for c in kept), sorted(map(str, kept))
+    # world 4 and 8 each have three new layouts a side: a cell for two where it can (three or four
+    # cells, greedy), not one for each (six)
+    worlds = [c.world for c in kept]
+    assert worlds.count(2) == 2 and 3 <= worlds.count(4) <= 4 and 3 <= worlds.count(8) <= 4, sorted(map(str, kept))
 
 
 def scale_golden(path, factor: float) -> None:
