@@ -13,6 +13,7 @@ Also here: the hand-written ``comm_map`` of the 3D implementation against the la
 the groups Megatron-Core (and torchtitan, when installed) build, against the model built with the
 library's own rank order.
 """
+import contextlib
 import importlib.util
 import itertools
 
@@ -157,18 +158,34 @@ def _label(item):
     return item["order"] + ":" + ",".join(f"{k}={v}" for k, v in _sizes(item).items())
 
 
-@pytest.fixture(scope="module")
-def megatron_pool():
-    """A pool of 8 ranks whose zygote imported Megatron-Core once (it costs seconds per process)."""
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-        pytest.skip(f"megatron-core is not installed: {MEGATRON_INSTALL}")
+# generous: a library's import and ~30 new_group calls per config crawl on a loaded 2-core machine
+LIBRARY_DEADLINE = 120.0
+
+
+@contextlib.contextmanager
+def eight_ranks(rank_pool, *imports):
+    """The session's pool when it has 8 ranks (whose ranks then import ``imports`` on first use,
+    rather than a second pool of 8 importing torch beside it); else a pool of 8 of its own whose
+    zygote imports them, closed after."""
+    if rank_pool.size >= 8:
+        yield rank_pool
+        return
     from harness.pool.parent import Pool, default_preload
 
-    # generous limits: the import and ~30 new_group calls per config crawl on a loaded 2-core machine
-    pool = Pool(size=8, preload=default_preload() + ("megatron.core.parallel_state",), deadline=120.0,
-                start_timeout=600.0)
-    yield pool
-    pool.close()
+    pool = Pool(size=8, preload=default_preload() + imports, deadline=LIBRARY_DEADLINE, start_timeout=600.0)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture(scope="module")
+def megatron_pool(rank_pool):
+    """8 ranks that import Megatron-Core."""
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        pytest.skip(f"megatron-core is not installed: {MEGATRON_INSTALL}")
+    with eight_ranks(rank_pool, "megatron.core.parallel_state") as pool:
+        yield pool
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +195,8 @@ def megatron_seen(megatron_pool):
 
     def seen(i):
         if i not in cache:
-            got = megatron_pool.run("harness.meshes.thirdparty:megatron_groups", [MEGATRON[i]], (("world", 8),))
+            got = megatron_pool.run("harness.meshes.thirdparty:megatron_groups", [MEGATRON[i]], (("world", 8),),
+                                    deadline=LIBRARY_DEADLINE)
             cache[i] = {rank: results[0] for rank, results in got.items()}
         return cache[i]
 
@@ -227,19 +245,14 @@ TORCHTITAN = [
 
 
 @pytest.fixture(scope="module")
-def torchtitan_seen():
+def torchtitan_seen(rank_pool):
     if importlib.util.find_spec("torchtitan") is None:
         pytest.skip(f"torchtitan is not installed: {TORCHTITAN_INSTALL}")
-    from harness.pool.parent import Pool, default_preload
-
-    pool = Pool(size=8, preload=default_preload() + ("torch.distributed.fsdp", "torchtitan.distributed.parallel_dims"),
-                deadline=120.0, start_timeout=600.0)
-    try:
+    with eight_ranks(rank_pool, "torch.distributed.fsdp", "torchtitan.distributed.parallel_dims") as pool:
         # one task per config: each gets the whole deadline on a loaded machine
-        per = [pool.run("harness.meshes.thirdparty:torchtitan_groups", [item], (("world", 8),)) for item in TORCHTITAN]
-        yield {rank: [p[rank][0] for p in per] for rank in per[0]}
-    finally:
-        pool.close()
+        per = [pool.run("harness.meshes.thirdparty:torchtitan_groups", [item], (("world", 8),),
+                        deadline=LIBRARY_DEADLINE) for item in TORCHTITAN]
+    return {rank: [p[rank][0] for p in per] for rank in per[0]}
 
 
 @pytest.mark.parametrize("item", TORCHTITAN, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items() if v != 1))

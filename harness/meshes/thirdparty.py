@@ -26,7 +26,8 @@ from .device_mesh import MeshSpec
 # the pin is pyproject.toml's (the thirdparty extra), read from the installed metadata
 MEGATRON_INSTALL = 'pip install -e ".[thirdparty]"' + (f"  (megatron-core=={pins()['megatron-core']})"
                                                       if "megatron-core" in pins() else "")
-TORCHTITAN_INSTALL = "pip install --no-deps torchtitan==0.3.0 spmd-types==0.2.3 tyro  (its other dependencies are for training, not ParallelDims)"
+TORCHTITAN_INSTALL = ("pip install --no-deps torchtitan==0.3.0 spmd-types==0.2.3 && pip install tyro  (torchtitan's other "
+                      "dependencies are for training, not ParallelDims; tyro's own are needed)")
 
 # Megatron group -> (getter in parallel_state, its keyword arguments, rank generator, dims it spans)
 MEGATRON_GROUPS = {
