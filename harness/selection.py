@@ -103,7 +103,7 @@ def _where_switches_act(cfgs: list[Config], keep: set[Config]) -> set[Config]:
         return dims is None or any(cfg.degree(d) > 1 for d in dims)
 
     shows = {cfg: {(cfg.component, cfg.impl, k, v) for k, v in cfg.switches if acts(cfg, k)} for cfg in cfgs}
-    wanted = set().union(*shows.values()) - set().union(*(shows[c] for c in keep if c in shows))
+    wanted = set().union(*shows.values()) - set().union(*(shows[c] for c in keep))
     chosen: set[Config] = set()
     while wanted:
         best = min((cfg for cfg in cfgs if shows[cfg] & wanted),

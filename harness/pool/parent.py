@@ -371,9 +371,10 @@ class Pool:
 
         ``extra_meshes``: further meshes (over the first ranks of the pool: dims tuples, MeshLayouts
         or MeshSpecs, :func:`harness.layout.declared`) the task may use through ``ctx.mesh(dims)`` or
-        ``ctx.meshes_for(spec)``. The task runs in a world of the largest of these meshes (:mod:`harness.world`: its default group,
-        torchrun's environment), whose every rank takes part in creating their groups, so they must
-        be declared here rather than built inside the task.
+        ``ctx.meshes_for(spec)``. The task runs in a world of the largest of these meshes
+        (:mod:`harness.world`: its default group, torchrun's environment), whose every rank takes
+        part in creating their groups, so they must be declared here rather than built inside the
+        task.
 
         ``scratch``: the directory the task's ranks share (``ctx.scratch``), empty; by default one of
         the pool's own, removed after the task.
