@@ -140,13 +140,15 @@ def test_two_hosts_simulated_run_eight_rank_cells(tmp_path):
     for node in (0, 1):
         launcher = ["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "4", "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"two-hosts-{port}"]
-        args = ["cases/", "-k", selection, "--junitxml", str(tmp_path / f"node{node}.xml"), "--case-deadline", "120"]
+        args = ["cases/", "-k", selection, "--junitxml", str(tmp_path / f"node{node}.xml"), "--case-deadline", "120",
+                "--rank-logs", str(tmp_path / "logs")]
         command = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "pytest", "-p", "no:cacheprovider",
                    *args]
         procs.append(subprocess.Popen(command, cwd=ROOT, env=env_for(), stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=900)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(
+        [o[-3000:] for o in outputs] + [rank_log_tails("".join(outputs), tmp_path / "logs")])
     cases = junit.read([xml]).cells
     assert len(cases) == 3 and all(c.outcome == "passed" for c in cases), outputs[0][-3000:]
     assert not (tmp_path / "node1.xml").exists()  # rank 0 (on node 0) writes the one report
@@ -320,6 +322,55 @@ def test_a_rank_late_to_a_cell_it_idles_in_still_runs_the_next_cell_with_the_oth
                    cwd=project, env=env_for(project), timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[:3000]
     assert "2 passed" in run.stdout
+
+
+# Rank 1's pytest fails outside the cells, where rank 0's report cannot see it: a fixture's teardown
+# (a test error, exit status 1), or a plugin's hook at the session's end (an exception out of pytest:
+# Python exits with 1). The cells pass on every rank.
+OUTSIDE_CELLS = {
+    "teardown": '''
+import os
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def leaves_a_mess():
+    yield
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("planted teardown failure on rank 1")
+''',
+    "hook": '''
+import os
+
+
+def pytest_sessionfinish(session):
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("planted sessionfinish failure on rank 1")
+''',
+}
+OUTSIDE_CELLS_CASES = SLOW_RANK_CASES  # a 1-rank and a 2-rank tp cell
+
+
+@pytest.mark.parametrize("where", sorted(OUTSIDE_CELLS))
+def test_a_rank_that_fails_outside_the_cells_is_named_by_rank_0_and_keeps_its_log(tmp_path, where):
+    """Every rank reports rank 0's verdicts, so a rank that fails after them (the two-host run's rank
+    6, exit status 1 after 3 passed) must be named where the job's output is read, with its log."""
+    project = make_project(tmp_path / "outside", {"conftest.py": OUTSIDE_CELLS[where],
+                                                  "test_cells.py": OUTSIDE_CELLS_CASES})
+    run = torchrun(["--standalone", "--nproc-per-node", "2"], ["test_cells.py", "-k", "tp2"],
+                   cwd=project, env=env_for(project), timeout=300)
+    assert run.returncode != 0
+    assert "1 passed" in run.stdout  # rank 0's report: the cell passed
+    said = re.search(r"\[torchrun\] rank 1 \(host (\S+), local rank 1, node 0, pid \d+\) ended its pytest with "
+                     r"exit status 1 where rank 0 ended with 0: it failed outside the cells.*", run.stderr)
+    assert said, run.stderr[-3000:]
+    if where == "hook":
+        assert "RuntimeError: planted sessionfinish failure on rank 1" in said.group(0)
+    kept = re.search(r"rank 1 \(host \S+, local rank 1\): its pytest ended with exit status 1, otherwise than "
+                     r"rank 0's; its pytest output: (\S+)", run.stderr)
+    assert kept, run.stderr[-3000:]
+    assert f"planted {'teardown' if where == 'teardown' else 'sessionfinish'} failure on rank 1" in Path(
+        kept.group(1)).read_text()
 
 
 TMP_PATH_CASES = '''

@@ -73,10 +73,10 @@ class Attempts:
         for r in stuck:
             if self.session.has(f"{key}/stack/{r}"):
                 summary, stack = summarize_stack(self.session.get(f"{key}/stack/{r}"), os.getcwd())
-                outcomes[r] = Outcome(r, "hung", detail=stack, summary=f"{summary} [{self._where(r, who)}]")
+                outcomes[r] = Outcome(r, "hung", detail=stack, summary=f"{summary} [{self.where(r, who)}]")
             else:
                 outcomes[r] = Outcome(r, "died", summary=f"no outcome and no stack: the process is gone "
-                                                         f"[{self._where(r, who)}]")
+                                                         f"[{self.where(r, who)}]")
         raised = [r for r, o in sorted(outcomes.items()) if o.status == "raised"]
         if not raised:
             reason = deadline_reason(label, deadline, stuck)
@@ -118,7 +118,8 @@ class Attempts:
         sys.__stderr__.flush()
         os._exit(RESTART_EXIT)
 
-    def _where(self, rank: int, who: dict | None = None) -> str:
+    def where(self, rank: int, who: dict | None = None) -> str:
+        """Where ``rank`` runs (host, local rank, node, pid), from ``who`` or the store."""
         info = (who if who is not None else self.session.who()).get(rank)
         if not info:
             return "host unknown"
@@ -149,12 +150,12 @@ class Attempts:
             if session.has(key, store):
                 outcomes[r] = Outcome.of_reply(r, *session.get(key, store))
             elif session.has(f"{info['key']}/term/{r}", store):
-                outcomes[r] = Outcome(r, "stopped", summary=f"stopped by torchrun (SIGTERM) [{self._where(r, who)}]")
+                outcomes[r] = Outcome(r, "stopped", summary=f"stopped by torchrun (SIGTERM) [{self.where(r, who)}]")
             else:
                 dead.append(r)
-                outcomes[r] = Outcome(r, "died", summary=f"process died inside the cell [{self._where(r, who)}]")
+                outcomes[r] = Outcome(r, "died", summary=f"process died inside the cell [{self.where(r, who)}]")
         label = info.get("label") or info["nodeid"]
-        named = "; ".join(f"rank {r} ({self._where(r, who)})" for r in dead) or "no rank left a record"
+        named = "; ".join(f"rank {r} ({self.where(r, who)})" for r in dead) or "no rank left a record"
         reason = (f"case {label} failed: a rank died during it, torchrun stopped the job and restarted it "
                   f"(attempt {info['attempt']} -> {session.env.attempt}); died: {named}")
         failure = CaseFailure(reason, outcomes, info["world"])
@@ -180,19 +181,33 @@ class Attempts:
         on_sigterm(bounded)
 
     # ---- the end of the job -------------------------------------------------------------------
-    def finish(self, status: int) -> None:
-        """Every rank says it is done; rank 0 waits for all (a rank-0-hosted store must outlive the
-        others' last reads) and records the exit status of a job whose tests all ran, so that a
-        restart torchrun makes because of that status only repeats it."""
+    def finish(self, status: int, error: str | None = None) -> dict[int, dict]:
+        """Every rank says how its pytest ends (``error``: the traceback of an exception that ends it);
+        rank 0 waits for all (a rank-0-hosted store must outlive the others' last reads) and records
+        the exit status of a job whose tests all ran, so that a restart torchrun makes because of
+        that status only repeats it.
+
+        Returns the ranks whose pytest ends otherwise than rank 0's, ``{rank: {"status", "error"}}``:
+        on rank 0 every such rank; on another rank, itself when it does. The verdicts are rank 0's on
+        every rank, so such a rank failed outside the cells (a fixture, a plugin's hook), where rank
+        0's report cannot see it."""
         session = self.session
-        session.set(f"finished/{self.rank}", status)
+        session.set(f"finished/{self.rank}", {"status": status, "error": error})
         if self.rank == 0:
             session.wait_all([f"finished/{r}" for r in range(self.size)], 60.0)
             if status in (0, 1, 5):  # passed, failed, nothing collected: not an interrupted run
                 session.set("complete", status, session.record)
+            ended = {r: session.get(f"finished/{r}") for r in range(1, self.size) if session.has(f"finished/{r}")}
+            odd = {r: end for r, end in ended.items() if end["status"] != status or end["error"]}
+        else:  # rank 0 ends with the same verdicts at about the same moment
+            session.wait_all(["finished/0"], 30.0)
+            first = session.get("finished/0") if session.has("finished/0") else None
+            odd = {self.rank: {"status": status, "error": error}} if error or (
+                first is not None and first["status"] != status) else {}
         # this attempt's, and those of earlier attempts that ended at a hang or a death
         for attempt in range(session.env.attempt + 1):
             shutil.rmtree(f"{self._job_scratch}-attempt{attempt}", ignore_errors=True)
+        return odd
 
     def finished_before(self) -> int | None:
         """The exit status an earlier attempt of this job finished with, or None."""

@@ -100,18 +100,44 @@ class TorchrunPlugin:
     def pytest_runtest_setup(self, item):
         runner_of(item.config).enter(item.nodeid)
 
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_sessionfinish(self, session, exitstatus):
-        runner = runner_of(session.config)
-        if runner is None:
+        """The job's end, outermost around every plugin's hook so that it sees how this rank's
+        pytest ends: an exception from one of them ends it too (Python then exits with 1)."""
+        error = None
+        try:
+            return (yield)
+        except BaseException:
+            error = traceback.format_exc()
+            raise
+        finally:
+            runner = runner_of(session.config)
+            if runner is not None:
+                self._finish(session.config, runner, 1 if error else int(session.exitstatus), error)
+
+    def _finish(self, config, runner, status: int, error: str | None) -> None:
+        """Tell the job how this rank ends. Rank 0 names each rank that ended otherwise (its report
+        is the job's, and cannot show what failed outside the cells on another rank); such a rank,
+        or one whose part of a cell raised or hung, keeps its log and names it on the launcher's
+        stderr; the other ranks' logs go."""
+        odd = runner.finish(status, error)
+        env, stash = runner.session.env, config.stash
+        if runner.rank == 0:
+            who = runner.session.who()
+            for r, end in sorted(odd.items()):
+                last = (end["error"] or "").strip().splitlines()[-1:] or [""]
+                say = (f"[torchrun] rank {r} ({runner.where(r, who)}) ended its pytest with exit status "
+                       f"{end['status']} where rank 0 ended with {status}: it failed outside the cells, whose "
+                       f"verdicts (rank 0's) are the same on every rank. {last[0]} Its output: its rank log "
+                       f"(--rank-logs, rank{r}.log)\n")
+                os.write(self.launcher_stderr if self.launcher_stderr is not None else 2, say.encode())
             return
-        runner.finish(int(exitstatus))
-        stash = session.config.stash
-        if runner.rank != 0 and runner.own_failures and self.quiet_stderr is not None:
-            env = runner.session.env
-            os.write(self.quiet_stderr, (f"rank {env.rank} (host {env.host}, local rank {env.local_rank}): its part "
-                                         f"raised or hung in {runner.own_failures} cell(s); its pytest output: "
-                                         f"{stash.get(_LOG, '?')}\n").encode())
-        elif runner.rank != 0 and _OWN_LOG_DIR in stash:
+        if self.quiet_stderr is not None and (runner.own_failures or odd):
+            why = (f"its part raised or hung in {runner.own_failures} cell(s)" if runner.own_failures else
+                   f"its pytest ended with exit status {status}, otherwise than rank 0's")
+            os.write(self.quiet_stderr, (f"rank {env.rank} (host {env.host}, local rank {env.local_rank}): {why}; "
+                                         f"its pytest output: {stash.get(_LOG, '?')}\n").encode())
+        elif _OWN_LOG_DIR in stash:
             # nothing on this rank to read: its log, and the default directory once empty, go
             with contextlib.suppress(OSError):
                 os.remove(stash[_LOG])
