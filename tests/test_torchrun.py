@@ -361,11 +361,15 @@ def test_a_rank_that_fails_outside_the_cells_is_named_by_rank_0_and_keeps_its_lo
                    cwd=project, env=env_for(project), timeout=300)
     assert run.returncode != 0
     assert "1 passed" in run.stdout  # rank 0's report: the cell passed
-    said = re.search(r"\[torchrun\] rank 1 \(host (\S+), local rank 1, node 0, pid \d+\) ended its pytest with "
-                     r"exit status 1 where rank 0 ended with 0: it failed outside the cells.*", run.stderr)
+    said = re.search(r"\[torchrun\] rank 1 \(host \S+, local rank 1, node 0, pid \d+\) ended its pytest with "
+                     r"exit status 1 where rank 0 ended with 0: (.*)", run.stderr)
     assert said, run.stderr[-3000:]
-    if where == "hook":
-        assert "RuntimeError: planted sessionfinish failure on rank 1" in said.group(0)
+    assert said.group(1) == {
+        "teardown": "test_cells.py::test_tp[tp-ours-tp2-fp32-op_mlp-b4.f32.h16.s8.v40-seed0] failed there and not "
+                    "on rank 0 (teardown: RuntimeError: planted teardown failure on rank 1). Its output: its rank "
+                    "log (--rank-logs, rank1.log)",
+        "hook": "an exception ended its pytest after the tests (RuntimeError: planted sessionfinish failure on "
+                "rank 1). Its output: its rank log (--rank-logs, rank1.log)"}[where]
     kept = re.search(r"rank 1 \(host \S+, local rank 1\): its pytest ended with exit status 1, otherwise than "
                      r"rank 0's; its pytest output: (\S+)", run.stderr)
     assert kept, run.stderr[-3000:]

@@ -181,29 +181,29 @@ class Attempts:
         on_sigterm(bounded)
 
     # ---- the end of the job -------------------------------------------------------------------
-    def finish(self, status: int, error: str | None = None) -> dict[int, dict]:
-        """Every rank says how its pytest ends (``error``: the traceback of an exception that ends it);
-        rank 0 waits for all (a rank-0-hosted store must outlive the others' last reads) and records
-        the exit status of a job whose tests all ran, so that a restart torchrun makes because of
-        that status only repeats it.
+    def finish(self, ending: dict) -> dict[int, dict]:
+        """Every rank says how its pytest ends: ``ending`` is ``{"status": exit status, "error": the
+        traceback of an exception that ends it or None, "failed": {node id: the failure's last
+        line}}``. Rank 0 waits for all (a rank-0-hosted store must outlive the others' last reads)
+        and records the exit status of a job whose tests all ran, so that a restart torchrun makes
+        because of that status only repeats it.
 
-        Returns the ranks whose pytest ends otherwise than rank 0's, ``{rank: {"status", "error"}}``:
-        on rank 0 every such rank; on another rank, itself when it does. The verdicts are rank 0's on
-        every rank, so such a rank failed outside the cells (a fixture, a plugin's hook), where rank
-        0's report cannot see it."""
+        Returns the endings that differ from rank 0's, by rank: on rank 0 every such rank's; on
+        another rank, its own when it differs. The verdicts are rank 0's on every rank, so such a
+        rank failed where rank 0's report cannot see it: outside the cells (a fixture, a plugin's
+        hook) or in a test of its own."""
         session = self.session
-        session.set(f"finished/{self.rank}", {"status": status, "error": error})
+        session.set(f"finished/{self.rank}", ending)
         if self.rank == 0:
             session.wait_all([f"finished/{r}" for r in range(self.size)], 60.0)
-            if status in (0, 1, 5):  # passed, failed, nothing collected: not an interrupted run
-                session.set("complete", status, session.record)
-            ended = {r: session.get(f"finished/{r}") for r in range(1, self.size) if session.has(f"finished/{r}")}
-            odd = {r: end for r, end in ended.items() if end["status"] != status or end["error"]}
+            if ending["status"] in (0, 1, 5):  # passed, failed, nothing collected: not an interrupted run
+                session.set("complete", ending["status"], session.record)
+            theirs = {r: session.get(f"finished/{r}") for r in range(1, self.size) if session.has(f"finished/{r}")}
+            odd = {r: end for r, end in theirs.items() if differs(end, ending)}
         else:  # rank 0 ends with the same verdicts at about the same moment
             session.wait_all(["finished/0"], 30.0)
             first = session.get("finished/0") if session.has("finished/0") else None
-            odd = {self.rank: {"status": status, "error": error}} if error or (
-                first is not None and first["status"] != status) else {}
+            odd = {self.rank: ending} if ending["error"] or (first is not None and differs(ending, first)) else {}
         # this attempt's, and those of earlier attempts that ended at a hang or a death
         for attempt in range(session.env.attempt + 1):
             shutil.rmtree(f"{self._job_scratch}-attempt{attempt}", ignore_errors=True)
@@ -214,3 +214,10 @@ class Attempts:
         if self.session.env.attempt == 0 or not self.session.has("complete", self.session.record):
             return None
         return int(self.session.get("complete", self.session.record))
+
+
+def differs(ending: dict, first: dict) -> bool:
+    """A rank's ending (see :meth:`Attempts.finish`) is not rank 0's: another exit status, an
+    exception, or a test that failed there and not on rank 0."""
+    return bool(ending["status"] != first["status"] or ending["error"]
+                or set(ending["failed"]) - set(first["failed"]))

@@ -40,6 +40,7 @@ class TorchrunPlugin:
     def __init__(self):
         self.quiet_stderr: int | None = None  # a rank other than 0: the launcher's stderr, for its closing line
         self.launcher_stderr: int | None = None  # every rank: the launcher's stderr, whatever capture does to fd 2
+        self.failed: dict[str, str] = {}  # node id -> the last line of its failure, on this rank
 
     def redirect_output(self, early_config) -> None:
         """Ranks other than 0 write to a log file of their own; done before pytest's capture takes
@@ -100,6 +101,10 @@ class TorchrunPlugin:
     def pytest_runtest_setup(self, item):
         runner_of(item.config).enter(item.nodeid)
 
+    def pytest_runtest_logreport(self, report):
+        if report.failed:  # to tell rank 0 which tests failed here (see _finish)
+            self.failed[report.nodeid] = f"{report.when}: {headline(report.longreprtext)}"
+
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_sessionfinish(self, session, exitstatus):
         """The job's end, outermost around every plugin's hook so that it sees how this rank's
@@ -113,28 +118,26 @@ class TorchrunPlugin:
         finally:
             runner = runner_of(session.config)
             if runner is not None:
-                self._finish(session.config, runner, 1 if error else int(session.exitstatus), error)
+                ending = {"status": 1 if error else int(session.exitstatus), "error": error, "failed": self.failed}
+                self._finish(session.config, runner, ending)
 
-    def _finish(self, config, runner, status: int, error: str | None) -> None:
+    def _finish(self, config, runner, ending: dict) -> None:
         """Tell the job how this rank ends. Rank 0 names each rank that ended otherwise (its report
-        is the job's, and cannot show what failed outside the cells on another rank); such a rank,
-        or one whose part of a cell raised or hung, keeps its log and names it on the launcher's
-        stderr; the other ranks' logs go."""
-        odd = runner.finish(status, error)
+        is the job's, and shows rank 0's verdicts only); such a rank, or one whose part of a cell
+        raised or hung, keeps its log and names it on the launcher's stderr; the other ranks' logs go."""
+        odd = runner.finish(ending)
         env, stash = runner.session.env, config.stash
         if runner.rank == 0:
             who = runner.session.who()
             for r, end in sorted(odd.items()):
-                last = (end["error"] or "").strip().splitlines()[-1:] or [""]
                 say = (f"[torchrun] rank {r} ({runner.where(r, who)}) ended its pytest with exit status "
-                       f"{end['status']} where rank 0 ended with {status}: it failed outside the cells, whose "
-                       f"verdicts (rank 0's) are the same on every rank. {last[0]} Its output: its rank log "
-                       f"(--rank-logs, rank{r}.log)\n")
+                       f"{end['status']} where rank 0 ended with {ending['status']}: "
+                       f"{'; '.join(unlike_rank0(end, ending))}. Its output: its rank log (--rank-logs, rank{r}.log)\n")
                 os.write(self.launcher_stderr if self.launcher_stderr is not None else 2, say.encode())
             return
         if self.quiet_stderr is not None and (runner.own_failures or odd):
             why = (f"its part raised or hung in {runner.own_failures} cell(s)" if runner.own_failures else
-                   f"its pytest ended with exit status {status}, otherwise than rank 0's")
+                   f"its pytest ended with exit status {ending['status']}, otherwise than rank 0's")
             os.write(self.quiet_stderr, (f"rank {env.rank} (host {env.host}, local rank {env.local_rank}): {why}; "
                                          f"its pytest output: {stash.get(_LOG, '?')}\n").encode())
         elif _OWN_LOG_DIR in stash:
@@ -142,6 +145,23 @@ class TorchrunPlugin:
             with contextlib.suppress(OSError):
                 os.remove(stash[_LOG])
                 os.rmdir(stash[_OWN_LOG_DIR])
+
+
+def headline(text: str) -> str:
+    """A failure's one line: its traceback's first ``E`` line (the exception), else its first line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    raised = [line[1:].strip() for line in lines if line.startswith("E ")]
+    return ((raised or lines or [""])[0])[:300]
+
+
+def unlike_rank0(end: dict, first: dict) -> list[str]:
+    """What a rank's ending (:meth:`harness.torchrun.attempts.Attempts.finish`) has that rank 0's
+    has not, in words."""
+    said = [f"{nodeid} failed there and not on rank 0 ({line})"
+            for nodeid, line in end["failed"].items() if nodeid not in first["failed"]]
+    if end["error"]:
+        said.append(f"an exception ended its pytest after the tests ({end['error'].strip().splitlines()[-1]})")
+    return said or ["it failed outside the tests (the verdicts of the cells are rank 0's, the same on every rank)"]
 
 
 def own_temp(config) -> None:
