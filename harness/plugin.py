@@ -139,13 +139,13 @@ def pytest_collection_finish(session):
         return  # under torchrun: no pool (its plugin checks the collection)
     users = [item for item in session.items if "rank_pool" in getattr(item, "fixturenames", ())]
     if users:
-        from .pool.parent import default_preload
+        from .pool.parent import default_preload, reference_preload
 
         cfgs = [selection.cell_config(item) for item in users]
-        # the ranks import what the selected cells run, no more: one cell by id starts fast
-        preload = default_preload(cfgs) if all(cfgs) else None
-        # and the pool of one the references run in: both import while pytest collects and sets up
-        _pool(config, _ranks_needed(cfgs, config.getoption("--pool-size")), preload).launch(alone=True)
+        # the ranks import what the selected cells run, no more: one cell by id starts fast; the pool
+        # of one, their references: both import while pytest collects and sets up
+        preload, alone_preload = (default_preload(cfgs), reference_preload(cfgs)) if all(cfgs) else (None, None)
+        _pool(config, _ranks_needed(cfgs, config.getoption("--pool-size")), preload, alone_preload).launch(alone=True)
 
 
 def _ranks_needed(cfgs, most: int) -> int:
@@ -155,10 +155,12 @@ def _ranks_needed(cfgs, most: int) -> int:
     return min(max([1] + [selection.world_needed(cfg) for cfg in cfgs]), most)
 
 
-def _pool(config, size: int | None = None, preload: tuple[str, ...] | None = None):
+def _pool(config, size: int | None = None, preload: tuple[str, ...] | None = None,
+          alone_preload: tuple[str, ...] | None = None):
     opt = config.getoption
     return shared_pool(size=size or opt("--pool-size"), backend=opt("--backend"), deadline=opt("--case-deadline"),
-                       preload=preload, keep=config.stash[_KEEP], root=str(config.rootpath))
+                       preload=preload, keep=config.stash[_KEEP], root=str(config.rootpath),
+                       alone_preload=alone_preload)
 
 
 @pytest.fixture(scope="session")

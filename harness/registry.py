@@ -320,6 +320,17 @@ def preload_modules(cfgs=None) -> list[str]:
     return sorted({module for path in paths for module in modules(path)})
 
 
+def reference_modules(cfgs=None) -> list[str]:
+    """The modules the references and calibrations of a set of configs' components name (every
+    registered component's by default), for the pool of one they run in to import before its fork:
+    no implementation's (Megatron-Core, the parallel code) is needed there."""
+    _read_builtins()
+    wanted = None if cfgs is None else {cfg.component for cfg in cfgs}
+    paths = [path for component in COMPONENTS.values() if wanted is None or component.name in wanted
+             for path in (component.reference, component.calibration) if path]
+    return sorted({module for path in paths for module in modules(path)})
+
+
 def ranks_needed(cfg: Config, meshes: tuple | None = None) -> int:
     """How many ranks ``cfg`` needs: its mesh's, or the largest of the further meshes its component
     declares for it (``meshes``, when already computed: a checkpoint saved on more ranks than it is

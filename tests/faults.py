@@ -1,5 +1,6 @@
 """Rank functions that misbehave on purpose, for the pool's fault tests."""
 import os
+import sys
 import time
 
 import torch
@@ -39,6 +40,11 @@ def exit_on_rank1(ctx, payload):
 
 def pids(ctx, payload):
     return os.getpid()
+
+
+def imported(ctx, payload):
+    """Which of the modules ``payload`` names this rank's process has imported."""
+    return sorted(m for m in payload if m in sys.modules)
 
 
 def default_group(ctx, payload):

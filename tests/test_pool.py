@@ -11,7 +11,7 @@ import torch
 from harness.registry import reference_of
 from harness.resolve import _references, resolve
 from harness.config import Config
-from harness.pool.parent import CaseFailure, Pool
+from harness.pool.parent import CaseFailure, Pool, default_preload, reference_preload
 from harness.registry import COMPONENTS, Component, get, register_component
 from tests.conftest import run_python
 
@@ -111,6 +111,21 @@ def test_a_reference_is_computed_once_per_problem_on_a_rank_beside_the_pool(smal
         COMPONENTS.pop("wheretp")
         for key in [k for k in _references if k[0] in ("wheretp", "tp")]:
             del _references[key]
+
+
+def test_the_pool_of_one_imports_the_references_and_the_ranks_the_implementations():
+    """The pool of one only computes references: its zygote imports their modules before its fork,
+    not the implementations' (at the start of a run four zygotes import at once on two cores)."""
+    cfgs = [Config("tp", "ours", {"tp": 2}, "fp32", dict(b=2, s=4, h=8, f=8, v=8), {"op": "mlp"})]
+    pool = Pool(size=2, preload=default_preload(cfgs), alone_preload=reference_preload(cfgs))
+    modules = ["harness.parallel.tp", "harness.parallel.tp_megatron", "reference.moe", "reference.tp"]
+    try:
+        pool.start(alone=True)
+        assert pool.run("tests.faults:imported", modules, (("tp", 2),)) == {r: ["harness.parallel.tp", "reference.tp"]
+                                                                            for r in (0, 1)}
+        assert pool.alone("tests.faults:imported", modules, (("tp", 1),)) == ["reference.tp"]
+    finally:
+        pool.close()
 
 
 def test_mesh_larger_than_pool_is_refused_before_running(small_pool):

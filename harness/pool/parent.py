@@ -50,6 +50,15 @@ def default_preload(cfgs=None) -> tuple[str, ...]:
     return PRELOAD + tuple(preload_modules(cfgs))
 
 
+def reference_preload(cfgs=None) -> tuple[str, ...]:
+    """What the pool of one (:meth:`Pool.alone`) imports before its fork: the harness's modules and
+    those of the references and calibrations of the components ``cfgs`` use (every registered
+    one's when None)."""
+    from ..registry import reference_modules
+
+    return PRELOAD + tuple(reference_modules(cfgs))
+
+
 class PoolError(RuntimeError):
     """The pool could not start or cannot run a task of this shape."""
 
@@ -186,8 +195,11 @@ class Pool:
 
     def __init__(self, size: int = DEFAULT_SIZE, backend: str = "auto", deadline: float = DEFAULT_DEADLINE,
                  start_timeout: float = 180.0, preload: tuple[str, ...] | None = None, keep: float = 0.0,
-                 root: str | None = None):
-        """``keep``: seconds a kept pool (:mod:`.kept`) waits idle after this process is done with it;
+                 root: str | None = None, alone_preload: tuple[str, ...] | None = None):
+        """``preload``: the modules the zygote imports before it forks the ranks (None: every
+        registered component's and implementation's, :func:`default_preload`); ``alone_preload``:
+        those of the pool of one beside it (:meth:`alone`; None: :func:`reference_preload`).
+        ``keep``: seconds a kept pool (:mod:`.kept`) waits idle after this process is done with it;
         0 (the default): this process's own zygote, gone with it. ``root``: the checkout a kept
         pool belongs to (the working directory by default)."""
         if size < 1:
@@ -195,6 +207,7 @@ class Pool:
         self.size, self.deadline, self.start_timeout = size, deadline, start_timeout
         self.backend = resolve_backend(backend)
         self.preload = preload  # None: default_preload() at each launch, so late registrations count
+        self.alone_preload = alone_preload
         self.keep, self.root = keep, root
         self._proc: subprocess.Popen | None = None
         self._conns: list[Connection] = []
@@ -423,7 +436,8 @@ class Pool:
     def _beside(self) -> Pool:
         """The pool of one beside this one (:meth:`alone`), made on first use."""
         if self._alone is None:
-            self._alone = Pool(1, self.backend, self.deadline, self.start_timeout, self.preload, self.keep, self.root)
+            preload = reference_preload() if self.alone_preload is None else self.alone_preload
+            self._alone = Pool(1, self.backend, self.deadline, self.start_timeout, preload, self.keep, self.root)
         return self._alone
 
     def _task_in_scratch(self, fn: str, payload: Any, mesh: tuple, extra: tuple, seed: int, world: int,
