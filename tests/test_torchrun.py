@@ -326,7 +326,8 @@ def test_a_rank_late_to_a_cell_it_idles_in_still_runs_the_next_cell_with_the_oth
 
 # Rank 1's pytest fails outside the cells, where rank 0's report cannot see it: a fixture's teardown
 # (a test error, exit status 1), or a plugin's hook at the session's end (an exception out of pytest:
-# Python exits with 1). The cells pass on every rank.
+# Python exits with 1). The cells pass on every rank. And the converse: rank 0 fails alone (its own
+# report shows it), and rank 1, whose pytest passed, is not blamed.
 OUTSIDE_CELLS = {
     "teardown": '''
 import os
@@ -338,6 +339,17 @@ def leaves_a_mess():
     yield
     if os.environ["RANK"] == "1":
         raise RuntimeError("planted teardown failure on rank 1")
+''',
+    "teardown on rank 0": '''
+import os
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def leaves_a_mess():
+    yield
+    if os.environ["RANK"] == "0":
+        raise RuntimeError("planted teardown failure on rank 0")
 ''',
     "hook": '''
 import os
@@ -361,6 +373,10 @@ def test_a_rank_that_fails_outside_the_cells_is_named_by_rank_0_and_keeps_its_lo
                    cwd=project, env=env_for(project), timeout=300)
     assert run.returncode != 0
     assert "1 passed" in run.stdout  # rank 0's report: the cell passed
+    if where == "teardown on rank 0":  # in rank 0's report: rank 1, which passed, is not named
+        assert "RuntimeError: planted teardown failure on rank 0" in run.stdout
+        assert "[torchrun] rank 1" not in run.stderr and "rank 1 (host" not in run.stderr, run.stderr[-3000:]
+        return
     said = re.search(r"\[torchrun\] rank 1 \(host \S+, local rank 1, node 0, pid \d+\) ended its pytest with "
                      r"exit status 1 where rank 0 ended with 0: (.*)", run.stderr)
     assert said, run.stderr[-3000:]

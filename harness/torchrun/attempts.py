@@ -217,7 +217,7 @@ class Attempts:
 
 
 def differs(ending: dict, first: dict) -> bool:
-    """A rank's ending (see :meth:`Attempts.finish`) is not rank 0's: another exit status, an
-    exception, or a test that failed there and not on rank 0."""
-    return bool(ending["status"] != first["status"] or ending["error"]
-                or set(ending["failed"]) - set(first["failed"]))
+    """A rank's ending (see :meth:`Attempts.finish`) is worse than rank 0's: an exception, a test that
+    failed there and not on rank 0, or another exit status than rank 0's that is not a success."""
+    return bool(ending["error"] or set(ending["failed"]) - set(first["failed"])
+                or (ending["status"] not in (0, 5) and ending["status"] != first["status"]))

@@ -40,7 +40,7 @@ class TorchrunPlugin:
     def __init__(self):
         self.quiet_stderr: int | None = None  # a rank other than 0: the launcher's stderr, for its closing line
         self.launcher_stderr: int | None = None  # every rank: the launcher's stderr, whatever capture does to fd 2
-        self.failed: dict[str, str] = {}  # node id -> the last line of its failure, on this rank
+        self.failed: dict[str, str] = {}  # node id -> its failure's headline, on this rank
 
     def redirect_output(self, early_config) -> None:
         """Ranks other than 0 write to a log file of their own; done before pytest's capture takes
