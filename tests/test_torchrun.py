@@ -328,29 +328,20 @@ def test_a_rank_late_to_a_cell_it_idles_in_still_runs_the_next_cell_with_the_oth
 # (a test error, exit status 1), or a plugin's hook at the session's end (an exception out of pytest:
 # Python exits with 1). The cells pass on every rank. And the converse: rank 0 fails alone (its own
 # report shows it), and rank 1, whose pytest passed, is not blamed.
+TEARDOWN_FAILS_ON = '''
+import os
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def leaves_a_mess():
+    yield
+    if os.environ["RANK"] == "{rank}":
+        raise RuntimeError("planted teardown failure on rank {rank}")
+'''
 OUTSIDE_CELLS = {
-    "teardown": '''
-import os
-import pytest
-
-
-@pytest.fixture(autouse=True, scope="session")
-def leaves_a_mess():
-    yield
-    if os.environ["RANK"] == "1":
-        raise RuntimeError("planted teardown failure on rank 1")
-''',
-    "teardown on rank 0": '''
-import os
-import pytest
-
-
-@pytest.fixture(autouse=True, scope="session")
-def leaves_a_mess():
-    yield
-    if os.environ["RANK"] == "0":
-        raise RuntimeError("planted teardown failure on rank 0")
-''',
+    "teardown": TEARDOWN_FAILS_ON.format(rank=1),
+    "teardown on rank 0": TEARDOWN_FAILS_ON.format(rank=0),
     "hook": '''
 import os
 

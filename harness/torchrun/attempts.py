@@ -98,10 +98,10 @@ class Attempts:
             self.session.set(f"verdict/{current['nodeid']}", verdict, self.session.record)
         self.session.record.delete_key("inflight")
         self.session.set(f"{self._key}/verdict", verdict)
-        self._say(f"\n{text}{note}\n")
+        self.say(f"\n{text}{note}\n")
         self._exit_for_restart()
 
-    def _say(self, text: str) -> None:
+    def say(self, text: str) -> None:
         """Write to the launcher's stderr: pytest's capture may hold fd 2 when a rank must exit."""
         if self.stderr is not None:
             os.write(self.stderr, text.encode())
@@ -183,8 +183,8 @@ class Attempts:
     # ---- the end of the job -------------------------------------------------------------------
     def finish(self, ending: dict) -> dict[int, dict]:
         """Every rank says how its pytest ends: ``ending`` is ``{"status": exit status, "error": the
-        traceback of an exception that ends it or None, "failed": {node id: the failure's last
-        line}}``. Rank 0 waits for all (a rank-0-hosted store must outlive the others' last reads)
+        traceback of an exception that ends it or None, "failed": {node id: the failure's
+        headline}}``. Rank 0 waits for all (a rank-0-hosted store must outlive the others' last reads)
         and records the exit status of a job whose tests all ran, so that a restart torchrun makes
         because of that status only repeats it.
 

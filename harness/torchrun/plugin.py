@@ -106,7 +106,7 @@ class TorchrunPlugin:
             self.failed[report.nodeid] = f"{report.when}: {headline(report.longreprtext)}"
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
-    def pytest_sessionfinish(self, session, exitstatus):
+    def pytest_sessionfinish(self, session):
         """The job's end, outermost around every plugin's hook so that it sees how this rank's
         pytest ends: an exception from one of them ends it too (Python then exits with 1)."""
         error = None
@@ -128,12 +128,11 @@ class TorchrunPlugin:
         odd = runner.finish(ending)
         env, stash = runner.session.env, config.stash
         if runner.rank == 0:
-            who = runner.session.who()
+            who = runner.session.who() if odd else {}
             for r, end in sorted(odd.items()):
-                say = (f"[torchrun] rank {r} ({runner.where(r, who)}) ended its pytest with exit status "
-                       f"{end['status']} where rank 0 ended with {ending['status']}: "
-                       f"{'; '.join(unlike_rank0(end, ending))}. Its output: its rank log (--rank-logs, rank{r}.log)\n")
-                os.write(self.launcher_stderr if self.launcher_stderr is not None else 2, say.encode())
+                runner.say(f"[torchrun] rank {r} ({runner.where(r, who)}) ended its pytest with exit status "
+                           f"{end['status']} where rank 0 ended with {ending['status']}: "
+                           f"{'; '.join(unlike_rank0(end, ending))}. Its output: its rank log (--rank-logs, rank{r}.log)\n")
             return
         if self.quiet_stderr is not None and (runner.own_failures or odd):
             why = (f"its part raised or hung in {runner.own_failures} cell(s)" if runner.own_failures else
