@@ -110,7 +110,8 @@ def reached_from(graph: dict[str, set[str]], roots, skip=()) -> set[str]:
 
 
 def cell_modules(cfg: Config) -> list[str]:
-    """The modules the registry names for ``cfg``'s component and implementation."""
+    """The modules the registry names for ``cfg``'s component and implementation, and those its
+    component preloads."""
     component = get(cfg.component)
     impl = component.implementations.get(cfg.impl)
     paths = [component.reference, component.calibration, component.validate, component.reduction,
@@ -118,7 +119,7 @@ def cell_modules(cfg: Config) -> list[str]:
              component.space if isinstance(component.space, str) else None]
     if impl is not None:
         paths += [impl.run, impl.validate, impl.xfail, impl.skip]
-    return [m for p in paths if isinstance(p, str) for m in modules(p)]
+    return [m for p in paths if isinstance(p, str) for m in modules(p)] + list(component.preload)
 
 
 class Changes:

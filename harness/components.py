@@ -121,22 +121,24 @@ TITANMP = model_component("titanmp", "harness.examples.titan:MIXED", impls=("fsd
 # ranks take up to ~40 s on a loaded 2-core machine
 COMPOSED = model_component("composed", "harness.examples.composed.case:CASE", impls=("composed", "manual"),
                            deadline_factor=4.0)
-# transformers' own models (pip install -e '.[thirdparty]'; without it their cells skip saying so)
+# transformers' own models (pip install -e '.[thirdparty]'; without it their cells skip saying so); their
+# case modules import transformers inside functions, and the pools import it once before they fork
+NEEDS_TRANSFORMERS, HF = "harness.examples.needs:transformers", ("harness.examples.hf",)
 LLAMA = model_component("llama", "harness.examples.llama_hf:CASE", impls=("tp", "fsdp", "tpfsdp"),
-                        skip="harness.examples.hf:skip")
+                        skip=NEEDS_TRANSFORMERS, preload=HF)
 QWEN3MOE = model_component("qwen3moe", "harness.examples.qwen3moe_hf:CASE", impls=("ep",),
-                           skip="harness.examples.hf:skip")
+                           skip=NEEDS_TRANSFORMERS, preload=HF)
 # transformers' tiny Llama through save_pretrained / from_pretrained(distributed_config=...), as users load it
 HFPRETRAINED = model_component("hfpretrained", "harness.examples.pretrained_hf:CASE", impls=("auto",),
-                               skip="harness.examples.hf:skip")
+                               skip=NEEDS_TRANSFORMERS, preload=HF)
 # transformers' Qwen3-MoE as transformers builds it: default grouped_mm experts (fp64 reference runs _grouped_mm in fp32)
 QWEN3MOEGMM = model_component("qwen3moegmm", "harness.examples.qwen3moe_grouped_hf:CASE", impls=("ep",),
-                              skip="harness.examples.hf:skip")
+                              skip=NEEDS_TRANSFORMERS, preload=HF)
 # torchtitan's way of making meshes: ParallelDims from a job config and the world (dp_shard=-1), TP + FSDP2 on them
 TITANWORLD = model_component("titanworld", "harness.examples.titan_world:CASE", impls=("tp2",))
 # accelerate's ND parallelism (ParallelismConfig + Accelerator.prepare) on the same tiny Llama
 ACCELERATE = model_component("accelerate", "harness.examples.accelerate_hf:CASE", impls=("nd",),
-                             skip="harness.examples.hf:skip_accelerate")
+                             skip="harness.examples.needs:accelerate", preload=(*HF, "accelerate"))
 
 BUILTIN = [TP, RINGATTN, MOE, FSDP, PP, CKPT, TITAN, TITANMP, COMPOSED, LLAMA, QWEN3MOE, HFPRETRAINED, QWEN3MOEGMM, TITANWORLD,
            ACCELERATE]

@@ -130,6 +130,10 @@ class Component:
     # "module:function", cfg -> the reference's results computed on one process in the cell's dtype,
     # the rounding a right run makes (harness.compare.tolerance); None: the policy without it
     calibration: str | None = None
+    # modules its ranks and its reference import that none of its paths names (a whole model's
+    # library, which its case module imports inside functions so that collecting its cells and
+    # resolving them in the pytest process stay cheap): the pools import them before they fork
+    preload: tuple[str, ...] = ()
 
     def switch_values(self) -> dict[str, tuple[str, ...]]:
         """Every value of every switch exploration draws: ``simplest``'s order where it gives one,
@@ -304,11 +308,11 @@ def get(name: str) -> Component:
 
 
 def preload_modules(cfgs=None) -> list[str]:
-    """The modules a set of configs' components and implementations name (every registered one by
-    default), for the pool to import before it forks its ranks."""
+    """The modules a set of configs' components and implementations name or preload (every
+    registered one's by default), for the pool to import before it forks its ranks."""
     _read_builtins()
     wanted = None if cfgs is None else {(cfg.component, cfg.impl) for cfg in cfgs}
-    paths = []
+    paths, named = [], []
     for component in COMPONENTS.values():
         impls = [i for i in component.implementations.values() if wanted is None or (component.name, i.name) in wanted]
         if not impls:
@@ -317,18 +321,21 @@ def preload_modules(cfgs=None) -> list[str]:
         paths += [p for p in (component.meshes, component.calibration) if p]
         for impl in impls:
             paths += [impl.run] + [p for p in (impl.skip, impl.xfail, impl.validate) if p]
-    return sorted({module for path in paths for module in modules(path)})
+        named += component.preload
+    return sorted({module for path in paths for module in modules(path)} | set(named))
 
 
 def reference_modules(cfgs=None) -> list[str]:
-    """The modules the references and calibrations of a set of configs' components name (every
-    registered component's by default), for the pool of one they run in to import before its fork:
-    no implementation's (Megatron-Core, the parallel code) is needed there."""
+    """The modules the references and calibrations of a set of configs' components name, and those
+    the components preload (every registered component's by default), for the pool of one they run
+    in to import before its fork: no implementation's (Megatron-Core, the parallel code) is needed
+    there."""
     _read_builtins()
     wanted = None if cfgs is None else {cfg.component for cfg in cfgs}
-    paths = [path for component in COMPONENTS.values() if wanted is None or component.name in wanted
-             for path in (component.reference, component.calibration) if path]
-    return sorted({module for path in paths for module in modules(path)})
+    chosen = [component for component in COMPONENTS.values() if wanted is None or component.name in wanted]
+    paths = [path for component in chosen for path in (component.reference, component.calibration) if path]
+    return sorted({module for path in paths for module in modules(path)}
+                  | {module for component in chosen for module in component.preload})
 
 
 def ranks_needed(cfg: Config, meshes: tuple | None = None) -> int:

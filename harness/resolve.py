@@ -48,8 +48,9 @@ class Disposition:
 
 RUN = Disposition("run")
 
-# references per process, by problem (Config.problem_key): the same for every mesh and implementation
-_references: dict[tuple, dict[str, torch.Tensor]] = {}
+# references per process, by problem (Config.problem_key): the same for every mesh and implementation;
+# also a whole model's calibration and reduction (Cell.reduction_in), under keys of their own
+_references: dict[tuple, dict[str, torch.Tensor] | int | dict[str, int]] = {}
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,8 +118,22 @@ class Cell:
 
     def tolerances(self, pool=None) -> Tolerances:
         """Its tolerance policy (:mod:`harness.compare.tolerance`): its dtype, its ``reduction``, its
-        reference's families and its one-process rounding (both computed in ``pool`` if given)."""
-        return self.policy(self.reference(pool), self.calibration(pool))
+        reference's families and its one-process rounding (all three computed in ``pool`` if given)."""
+        return Tolerances(self.cfg.dtype, self.reduction_in(pool), self.reference(pool), self.calibration(pool))
+
+    def reduction_in(self, pool=None) -> int | dict[str, int]:
+        """Its ``reduction``; a whole model's computed beside ``pool`` when given, once per problem:
+        it builds the model, whose library (transformers: seconds) is the pools' to import, not this
+        process's. A component's is arithmetic on its sizes, computed here."""
+        if pool is None or self.component.case is None:
+            return self.reduction
+        key = (*self.cfg.problem_key, "reduction")
+        if key not in _references:
+            problem = self.cfg.problem
+            _references[key] = pool.alone("harness.pool.tasks:call", (self.component.reduction, problem),
+                                          problem.mesh, seed=self.cfg.seed, label=f"{self.id} (its reduction)",
+                                          deadline=self.deadline(pool))
+        return _references[key]
 
     def policy(self, reference: dict | None = None, one_process: dict | None = None) -> Tolerances:
         """The tolerance policy in its dtype and ``reduction`` for the tensors ``reference`` (their

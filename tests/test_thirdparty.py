@@ -219,3 +219,26 @@ def test_moe_hf_experts_kernels_keep_a_starved_rank_in_the_backward():
     for kernel in ("groupedmm", "batchedmm"):
         assert thirdparty_moe.hf_moe_skip(moe_cell(**starved, experts=kernel)) is None
     assert "switch experts one of" in thirdparty_moe.hf_moe_skip(moe_cell(experts="sonicmoe"))
+
+
+def test_a_transformers_model_cell_runs_without_the_pytest_process_importing_transformers(tmp_path):
+    """The models' skip finds transformers without importing it, their reduction (which builds the
+    model) is computed beside the pool, and the pools import it before they fork (the models'
+    ``preload``): the user's pytest process, which collects and resolves every cell, never pays its
+    seconds. Seen from a project of its own, by the parent's ``-X importtime`` lines (the pools'
+    processes are started without the flag)."""
+    pytest.importorskip("transformers")
+    (tmp_path / "test_llama.py").write_text(
+        "import pytest\n\nfrom harness.model import model_cells\n\n\n"
+        "@pytest.mark.parametrize('cfg', model_cells('llama', impls=['tp'], meshes=['tp=2']), ids=str)\n"
+        "def test_llama(cfg, parity):\n    parity(cfg)\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "pytest", "-s", "-q", "-p", "no:cacheprovider",
+                           "-p", "no:randomly", "--pool-size", "2"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" in imported  # the lines are there to read
+    assert not {m for m in imported if m == "transformers" or m.startswith("transformers.")}, \
+        sorted(m for m in imported if m.startswith("transformers"))[:5]

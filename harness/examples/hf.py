@@ -1,13 +1,14 @@
 """transformers' model classes for the transformers models of ``harness/examples/`` (``llama_hf.py``,
 ``qwen3moe_hf.py``, ``qwen3moe_grouped_hf.py``, ``pretrained_hf.py``, ``accelerate_hf.py``), imported here.
 
-This module is those models' ``skip`` path, so the pool's zygote imports it (and transformers, ~3 s)
-once before it forks the ranks, and only in runs that select their cells; the model modules
-themselves import it lazily, so registering them (every ``harness.registry`` user) stays cheap.
+Those models name this module in their ``preload``, so the pools import it (and transformers, ~3 s)
+once before they fork, and only in runs that select their cells; the model modules themselves
+import it inside functions, so collecting and resolving their cells in the pytest process stays
+cheap. Their ``skip`` paths (:mod:`harness.examples.needs`) find transformers without importing it.
 """
 from __future__ import annotations
 
-from harness.parallel.thirdparty import _missing
+from harness.examples.needs import accelerate as skip_accelerate, transformers as skip  # noqa: F401  the old paths
 
 try:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -17,13 +18,3 @@ except ImportError:  # pragma: no cover  skip() says how to install it
 
 __all__ = ["DistributedConfig", "LlamaConfig", "LlamaForCausalLM", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "skip",
            "skip_accelerate"]
-
-
-def skip(cfg) -> str | None:
-    """Skip the transformers models' cells when transformers is not installed, saying how to install it."""
-    return _missing("transformers")
-
-
-def skip_accelerate(cfg) -> str | None:
-    """Skip ``accelerate_hf.py``'s cells when transformers or accelerate is not installed (both in the thirdparty extra)."""
-    return _missing("transformers") or _missing("accelerate")

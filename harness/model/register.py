@@ -22,9 +22,10 @@ TASKS = "harness.model.tasks"
 
 
 def model_component(name: str, case: str, impls: Iterable[str], deadline_factor: float = 1.0,
-                    skip: str | None = None) -> Component:
+                    skip: str | None = None, preload: Iterable[str] = ()) -> Component:
     """The Component of model ``name``: the :class:`ModelCase` at ``case`` (``"mypkg.cases:CASE"``)
-    with implementations ``impls`` (its ``parallelize`` names), each skipped where ``skip`` says."""
+    with implementations ``impls`` (its ``parallelize`` names), each skipped where ``skip`` says;
+    the pools import the modules ``preload`` names before they fork."""
 
     def task(entry: str) -> str:
         return f"{TASKS}:{entry}[{case}]"
@@ -41,6 +42,7 @@ def model_component(name: str, case: str, impls: Iterable[str], deadline_factor:
         space=task("space"),
         deadline_factor=deadline_factor,
         case=case,
+        preload=(preload,) if isinstance(preload, str) else tuple(preload),
         implementations={impl: Implementation(impl, task("run"), skip=skip, xfail=task("xfail"),
                                               validate=task("check_impl"))
                          for impl in impls},
@@ -48,12 +50,15 @@ def model_component(name: str, case: str, impls: Iterable[str], deadline_factor:
 
 
 def register_model(name: str, case: str, impls: Iterable[str] | None = None,
-                   deadline_factor: float = 1.0) -> Component:
+                   deadline_factor: float = 1.0, preload: Iterable[str] = ()) -> Component:
     """Register the :class:`ModelCase` at ``case`` (``"mypkg.cases:CASE"``, importable on the ranks)
     as model ``name``; its cells are ``model_cells(name, ...)``, ids ``<name>-<impl>-<mesh>-...``.
 
     ``impls``: the case's ``parallelize`` names, given to register without importing the case now.
-    ``deadline_factor``: its cells may run that many times ``--case-deadline``."""
+    ``deadline_factor``: its cells may run that many times ``--case-deadline``. ``preload``: modules
+    its ranks import that its case module imports only inside functions (a library that takes
+    seconds to import, kept out of the pytest process): the pools import them once, before they
+    fork their ranks, instead of every rank importing them in its first cell."""
     try:
         taken = get(name)
     except ConfigError:  # the name is free
@@ -68,7 +73,7 @@ def register_model(name: str, case: str, impls: Iterable[str] | None = None,
             raise TypeError(f"register_model({name!r}, case={case!r}): {case} is a {type(found).__name__}, "
                             "not a harness.model.ModelCase")
         impls = list(found.parallelize)
-    return register_component(model_component(name, case, impls, deadline_factor))
+    return register_component(model_component(name, case, impls, deadline_factor, preload=preload))
 
 
 def case_of(name: str) -> ModelCase:

@@ -20,6 +20,16 @@ def reference(ctx: RankContext, payload):
     return reference_of(path, cfg)
 
 
+def call(ctx: RankContext, payload):
+    """``fn(cfg)`` for ``payload`` (``fn``'s path and the config), in a world of one rank: what the
+    parent would otherwise compute itself at the cost of importing the libraries it needs (a whole
+    model's reduction builds the model: harness.resolve.Cell.reduction_in)."""
+    from ..paths import load
+
+    path, cfg = payload
+    return load(path)(cfg)
+
+
 def describe_mesh(ctx: RankContext, payload):
     """This rank's coordinates and, per dim, the ranks of its group, as torch sees them.
 
