@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..config import Config, ConfigError
 from ..commands import harness_command, shown
-from ..pool.parent import Pool, shared_pool
+from ..pool.parent import Pool, default_preload, reference_preload, shared_pool
 from ..project import Project, load
 from ..screen import fitted
 from . import __doc__ as DOC
@@ -88,7 +88,7 @@ def check(args, project: Project) -> int:
         cfg = project.resolve(args.target)
     except ConfigError as error:
         return _usage(str(error))
-    pool = Pool(size=args.pool_size, deadline=args.case_deadline)
+    pool = Pool(**_pool_options(args, [cfg]))
     try:
         trial = Trials(pool, quiet=True, max_trials=1).run(cfg)
     finally:
@@ -109,7 +109,7 @@ def run(args, project: Project) -> int:
     except ConfigError as error:
         return _usage(str(error))
     out = _out(args, project)
-    pool = shared_pool(size=args.pool_size, deadline=args.case_deadline)
+    pool = shared_pool(**_pool_options(args, [original] if original else cells))
     started = time.monotonic()
     with open(out / "trials.jsonl", "w") as log:
         trials = Trials(None if args.oracle else pool, log, args.max_trials, args.max_seconds, args.oracle or None)
@@ -127,6 +127,15 @@ def run(args, project: Project) -> int:
             pool.close()
     print(fitted(f"wrote {shown(out / 'result.json')} and trials.jsonl beside it"))
     return code
+
+
+def _pool_options(args, cfgs: list[Config]) -> dict:
+    """The pool's options: its zygotes import the modules of ``cfgs``' components and
+    implementations, which every trial shares (bisect changes sizes, meshes and switches, never
+    them), not every registered one's: ``git bisect run`` starts a pool per commit, and transformers
+    and Megatron-Core take seconds to import."""
+    return dict(size=args.pool_size, deadline=args.case_deadline,
+                preload=default_preload(cfgs) if cfgs else None, alone_preload=reference_preload(cfgs) if cfgs else None)
 
 
 def _first_failing(cells: list[Config], trials: Trials) -> Config | None:
