@@ -293,3 +293,19 @@ def test_git_bisect_run_finds_the_commit_that_broke_a_cell(tmp_path):
     done = subprocess.run(["git", "bisect", "run", sys.executable, "-m", "harness.bisect", "check", cell],
                           cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     assert f"{breaking} is the first bad commit" in done.stdout, done.stdout + done.stderr
+
+
+def test_bisects_pool_imports_the_targets_modules_not_every_registered_ones():
+    """Each step of ``git bisect run`` starts a pool: its zygotes import what the target's component
+    and implementation need, not transformers and Megatron-Core for a cell of ours."""
+    from argparse import Namespace
+
+    from harness.bisect.__main__ import _pool_options
+
+    ours = Config.parse("tp-ours-tp4-fp32-op_mlp-b4.f32.h16.s8.v40-seed0")
+    options = _pool_options(Namespace(pool_size=4, case_deadline=30.0), [ours])
+    assert "harness.parallel.tp" in options["preload"] and "reference.tp" in options["alone_preload"]
+    heavy = {"harness.parallel.tp_megatron", "harness.parallel.tp_hf", "harness.examples.hf"}
+    assert not heavy & (set(options["preload"]) | set(options["alone_preload"])), options
+    llama = Config.parse("llama-tp-tp2-fp32-plain-steps3-seed0")
+    assert "harness.examples.hf" in _pool_options(Namespace(pool_size=4, case_deadline=30.0), [llama])["preload"]
