@@ -65,6 +65,9 @@ def test_bad_cases_and_registrations_say_what_to_fix():
         ModelCase(build=None, batch=None, loss=None, parallelize={"a": None}, mixed_precision="fp8")
     with pytest.raises(TypeError, match="not a harness.model.ModelCase"):
         register_model("nope", "tests.model_handwritten:build")
+    with pytest.raises(ValueError, match=r"preload=\('transformers', 3\) must name modules, e.g. preload=\('transformers',\)"):
+        register_model("heavy", "tests.model_handwritten:CASE", preload=("transformers", 3))
+    assert register_model("light", "tests.model_handwritten:CASE", preload="json").preload == ("json",)
     # two test modules once registered different cases under one name: the later silently replaced
     # the earlier's implementations, and its cells failed with "no implementation"
     register_model("rules", "tests.model_handwritten:CASE")  # the same case again: a re-import, fine

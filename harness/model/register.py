@@ -30,6 +30,11 @@ def model_component(name: str, case: str, impls: Iterable[str], deadline_factor:
     def task(entry: str) -> str:
         return f"{TASKS}:{entry}[{case}]"
 
+    preload = (preload,) if isinstance(preload, str) else tuple(preload)
+    if not all(isinstance(m, str) and all(part.isidentifier() for part in m.split(".")) for m in preload):
+        raise ValueError(f"model {name!r}: preload={preload!r} must name modules, "
+                         "e.g. preload=('transformers',) or preload=('mypkg.heavy',)")
+
     return Component(
         name=name,
         reference=task("reference"),
@@ -42,7 +47,7 @@ def model_component(name: str, case: str, impls: Iterable[str], deadline_factor:
         space=task("space"),
         deadline_factor=deadline_factor,
         case=case,
-        preload=(preload,) if isinstance(preload, str) else tuple(preload),
+        preload=preload,
         implementations={impl: Implementation(impl, task("run"), skip=skip, xfail=task("xfail"),
                                               validate=task("check_impl"))
                          for impl in impls},
