@@ -139,13 +139,12 @@ def pytest_collection_finish(session):
         return  # under torchrun: no pool (its plugin checks the collection)
     users = [item for item in session.items if "rank_pool" in getattr(item, "fixturenames", ())]
     if users:
-        from .pool.parent import default_preload, reference_preload
+        from .pool.parent import preloads
 
         cfgs = [selection.cell_config(item) for item in users]
         # the ranks import what the selected cells run, no more: one cell by id starts fast; the pool
         # of one, their references: both import while pytest collects and sets up
-        preload, alone_preload = (default_preload(cfgs), reference_preload(cfgs)) if all(cfgs) else (None, None)
-        _pool(config, _ranks_needed(cfgs, config.getoption("--pool-size")), preload, alone_preload).launch(alone=True)
+        _pool(config, _ranks_needed(cfgs, config.getoption("--pool-size")), **preloads(cfgs)).launch(alone=True)
 
 
 def _ranks_needed(cfgs, most: int) -> int:

@@ -48,8 +48,8 @@ class Disposition:
 
 RUN = Disposition("run")
 
-# references per process, by problem (Config.problem_key): the same for every mesh and implementation;
-# also a whole model's calibration and reduction (Cell.reduction_in), under keys of their own
+# references per process, by problem (Config.problem_key) and what was computed (reference, calibration, a
+# whole model's reduction): the same for every mesh and implementation
 _references: dict[tuple, dict[str, torch.Tensor] | int | dict[str, int]] = {}
 
 
@@ -95,31 +95,14 @@ class Cell:
         by ``pool`` (on a rank beside its own; under torchrun on rank 0) or here without one. Kept per
         process for every mesh and implementation of the problem: the reference is handed the problem
         alone and sees one process. Raises :class:`NotJudged` when the reference cannot judge it."""
-        return self._computed(self.component.reference, (*self.cfg.problem_key,), pool)
+        return self._computed(self.component.reference, "reference", pool)
 
     def calibration(self, pool=None) -> dict[str, torch.Tensor] | None:
         """The same on one process in the cell's dtype (the component's ``calibration``); None where
         the component has none or the cell is fp64 (where it is the reference itself)."""
         if self.component.calibration is None or self.cfg.dtype == "fp64":
             return None
-        return self._computed(self.component.calibration, (*self.cfg.problem_key, "calibration"), pool)
-
-    def _computed(self, path: str, key: tuple, pool) -> dict[str, torch.Tensor]:
-        if key not in _references:
-            problem = self.cfg.problem
-            _references[key] = (reference_of(path, problem) if pool is None else
-                                pool.alone("harness.pool.tasks:reference", (path, problem), problem.mesh,
-                                           seed=self.cfg.seed, label=f"{self.id} (its reference)",
-                                           deadline=self.deadline(pool)))
-        result = _references[key]
-        if NOT_JUDGED in result:
-            raise NotJudged(result[NOT_JUDGED])
-        return result
-
-    def tolerances(self, pool=None) -> Tolerances:
-        """Its tolerance policy (:mod:`harness.compare.tolerance`): its dtype, its ``reduction``, its
-        reference's families and its one-process rounding (all three computed in ``pool`` if given)."""
-        return Tolerances(self.cfg.dtype, self.reduction_in(pool), self.reference(pool), self.calibration(pool))
+        return self._computed(self.component.calibration, "calibration", pool)
 
     def reduction_in(self, pool=None) -> int | dict[str, int]:
         """Its ``reduction``; a whole model's computed beside ``pool`` when given, once per problem:
@@ -127,18 +110,34 @@ class Cell:
         process's. A component's is arithmetic on its sizes, computed here."""
         if pool is None or self.component.case is None:
             return self.reduction
-        key = (*self.cfg.problem_key, "reduction")
+        return self._computed(self.component.reduction, "reduction", pool, shown="reduction")
+
+    def _computed(self, path: str, what: str, pool, shown: str = "reference"):
+        """``path`` on its problem in a world of one, kept per process by problem and ``what``; a
+        failure there is labelled ``(its <shown>)`` (the calibration is its reference in the cell's
+        dtype: the zoo reads the label)."""
+        key = (*self.cfg.problem_key, what)
         if key not in _references:
             problem = self.cfg.problem
-            _references[key] = pool.alone("harness.pool.tasks:call", (self.component.reduction, problem),
-                                          problem.mesh, seed=self.cfg.seed, label=f"{self.id} (its reduction)",
-                                          deadline=self.deadline(pool))
-        return _references[key]
+            _references[key] = (reference_of(path, problem) if pool is None else
+                                pool.alone("harness.pool.tasks:reference", (path, problem), problem.mesh,
+                                           seed=self.cfg.seed, label=f"{self.id} (its {shown})",
+                                           deadline=self.deadline(pool)))
+        result = _references[key]
+        if isinstance(result, dict) and NOT_JUDGED in result:
+            raise NotJudged(result[NOT_JUDGED])
+        return result
 
-    def policy(self, reference: dict | None = None, one_process: dict | None = None) -> Tolerances:
-        """The tolerance policy in its dtype and ``reduction`` for the tensors ``reference`` (their
-        families' scales) and ``one_process`` (their rounding on one process); none: the policy alone."""
-        return Tolerances(self.cfg.dtype, self.reduction, reference, one_process)
+    def tolerances(self, pool=None) -> Tolerances:
+        """Its tolerance policy (:mod:`harness.compare.tolerance`): its dtype, its ``reduction``, its
+        reference's families and its one-process rounding (all three computed in ``pool`` if given)."""
+        return self.policy(self.reference(pool), self.calibration(pool), pool)
+
+    def policy(self, reference: dict | None = None, one_process: dict | None = None, pool=None) -> Tolerances:
+        """The tolerance policy in its dtype and ``reduction`` (:meth:`reduction_in` ``pool``) for the
+        tensors ``reference`` (their families' scales) and ``one_process`` (their rounding on one
+        process); none: the policy alone."""
+        return Tolerances(self.cfg.dtype, self.reduction_in(pool), reference, one_process)
 
     def diagnose(self, pool, report, rerun: bool) -> Diagnosis:
         """What the component adds to its verdict (its ``diagnose``; by default where its events say

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..config import Config, ConfigError
 from ..commands import harness_command, shown
-from ..pool.parent import Pool, default_preload, reference_preload, shared_pool
+from ..pool.parent import Pool, preloads, shared_pool
 from ..project import Project, load
 from ..screen import fitted
 from . import __doc__ as DOC
@@ -134,8 +134,7 @@ def _pool_options(args, cfgs: list[Config]) -> dict:
     implementations, which every trial shares (bisect changes sizes, meshes and switches, never
     them), not every registered one's: ``git bisect run`` starts a pool per commit, and transformers
     and Megatron-Core take seconds to import."""
-    return dict(size=args.pool_size, deadline=args.case_deadline,
-                preload=default_preload(cfgs) if cfgs else None, alone_preload=reference_preload(cfgs) if cfgs else None)
+    return dict(size=args.pool_size, deadline=args.case_deadline, **preloads(cfgs))
 
 
 def _first_failing(cells: list[Config], trials: Trials) -> Config | None:

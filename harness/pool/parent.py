@@ -59,6 +59,16 @@ def reference_preload(cfgs=None) -> tuple[str, ...]:
     return PRELOAD + tuple(reference_modules(cfgs))
 
 
+def preloads(cfgs) -> dict:
+    """:class:`Pool`'s ``preload`` and ``alone_preload`` for a run of ``cfgs``: what their
+    components and implementations need, not every registered one's (transformers, Megatron-Core:
+    seconds); None each (every registered one's) when there is none, or a None among them (a pool
+    user that is not a cell)."""
+    if not cfgs or not all(cfgs):
+        return {"preload": None, "alone_preload": None}
+    return {"preload": default_preload(cfgs), "alone_preload": reference_preload(cfgs)}
+
+
 class PoolError(RuntimeError):
     """The pool could not start or cannot run a task of this shape."""
 

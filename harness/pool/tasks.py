@@ -13,21 +13,12 @@ def noop(ctx: RankContext, payload):
 
 def reference(ctx: RankContext, payload):
     """A cell's single-process reference (``payload``: the component's reference path and the
-    config), computed in a world of one rank (harness.resolve.Cell.reference)."""
+    config), computed in a world of one rank (harness.resolve.Cell.reference); its calibration and a
+    whole model's reduction the same way."""
     from ..registry import reference_of
 
     path, cfg = payload
     return reference_of(path, cfg)
-
-
-def call(ctx: RankContext, payload):
-    """``fn(cfg)`` for ``payload`` (``fn``'s path and the config), in a world of one rank: what the
-    parent would otherwise compute itself at the cost of importing the libraries it needs (a whole
-    model's reduction builds the model: harness.resolve.Cell.reduction_in)."""
-    from ..paths import load
-
-    path, cfg = payload
-    return load(path)(cfg)
 
 
 def describe_mesh(ctx: RankContext, payload):
