@@ -93,3 +93,20 @@ def reference_where(cfg):
 
     seen = [dist.get_world_size(), dist.get_rank(), *(int(os.environ[v]) for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))]
     return {**reference(cfg), "pid": torch.tensor(os.getpid()), "world": torch.tensor(seen)}
+
+
+def tensors_of_every_kind(ctx, payload):
+    """The payload's tensors back, with what the rank adds: each kind of tensor the wire carries
+    (harness.pool.wire): raw bytes for plain CPU tensors, pickle's own way for the rest."""
+    base = torch.arange(24, dtype=torch.float64).reshape(4, 6) + ctx.rank
+    return {
+        "payload": payload,
+        "view": base[1:, ::2],  # a strided view of a larger storage: its own values only
+        "scalar": torch.tensor(ctx.rank + 0.5),
+        "empty": torch.empty(0, 3, dtype=torch.int64),
+        "bf16": (base / 7).to(torch.bfloat16),
+        "bool": base > 10,
+        "complex": torch.complex(base.float(), -base.float()).conj(),  # a conj bit: pickle's own way
+        "param": torch.nn.Parameter(base.float()),
+        "grad": base.float().requires_grad_(),
+    }

@@ -70,6 +70,26 @@ def test_result_the_parent_cannot_unpickle_is_named(small_pool):
     small_pool.run("harness.pool.tasks:noop", None, TP4)
 
 
+def test_tensors_travel_exactly_with_their_kind(small_pool):
+    """Results and payloads cross the pipe as raw bytes (plain CPU tensors) or pickle's own way (a
+    Parameter, a tensor that needs a gradient, a conj view): same values, dtypes, shapes, kinds."""
+    payload = {"x": torch.randn(5, 3), "half": torch.ones(2, dtype=torch.float16), "n": 3}
+    values = small_pool.run("tests.faults:tensors_of_every_kind", payload, (("tp", 2),))
+    for rank, got in values.items():
+        base = torch.arange(24, dtype=torch.float64).reshape(4, 6) + rank
+        want = {"view": base[1:, ::2], "scalar": torch.tensor(rank + 0.5), "empty": torch.empty(0, 3, dtype=torch.int64),
+                "bf16": (base / 7).to(torch.bfloat16), "bool": base > 10,
+                "complex": torch.complex(base.float(), -base.float()).conj(), "param": base.float(), "grad": base.float()}
+        assert got["payload"]["n"] == 3
+        for name in ("x", "half"):
+            assert torch.equal(got["payload"][name], payload[name]) and got["payload"][name].dtype == payload[name].dtype
+        for name, t in want.items():
+            assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+            assert torch.equal(got[name].resolve_conj(), t.resolve_conj()), name
+        assert isinstance(got["param"], torch.nn.Parameter) and got["grad"].requires_grad
+        assert got["view"].is_contiguous() and got["view"].untyped_storage().nbytes() == got["view"].nbytes
+
+
 def test_random_state_is_private_per_rank_and_fixed_by_the_seed(small_pool):
     first = small_pool.run("tests.faults:draw_random", None, TP4, seed=5)
     again = small_pool.run("tests.faults:draw_random", None, TP4, seed=5)

@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from ..layout import MeshLayout, declared
-from . import pooldir
+from . import pooldir, wire
 from .backend import resolve as resolve_backend
 
 DEFAULT_SIZE = 8
@@ -465,8 +465,7 @@ class Pool:
 
     def _run(self, fn: str, payload: Any, mesh: tuple, extra: tuple, seed: int, scratch: str, world: int,
              deadline: float, label: str) -> dict[int, Any]:
-        message = pickle.dumps(("run", self._task, fn, payload, mesh, extra, seed, scratch, self._world),
-                               protocol=pickle.HIGHEST_PROTOCOL)
+        message = wire.dumps(("run", self._task, fn, payload, mesh, extra, seed, scratch, self._world))
         outcomes: dict[int, Outcome] = {}
         for rank, conn in enumerate(self._conns):
             try:

@@ -171,7 +171,9 @@ def warm_up() -> None:
 
 
 def _send(conn: Connection, message) -> None:
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    from .wire import dumps  # torch: imported by then, not by this module's importers
+
+    conn.send_bytes(dumps(message))
 
 
 def seed_rank(seed: int, rank: int) -> None:

@@ -26,6 +26,7 @@ import tempfile
 import time
 from typing import Any
 
+from ..pool import wire
 from ..pool.parent import FAILURE_GRACE, CaseFailure, Outcome, failure_reason, fitting
 from .attempts import POLL, RESTART_EXIT, STACK_GRACE, Attempts  # noqa: F401  (RESTART_EXIT, STACK_GRACE: re-exported)
 from .session import Session
@@ -151,7 +152,7 @@ class RankRunner(Attempts):
 
     def _publish(self, out: tuple) -> None:
         try:
-            data = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
+            data = wire.dumps(out)
         except Exception as error:  # noqa: BLE001  e.g. a result holding a process group
             why = f"its result cannot be pickled for rank 0 ({type(error).__name__}: {error}); " \
                   "return tensors, Pieces and plain Python values"

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..pool.backend import rank_device
 from ..pool.backend import resolve as resolve_backend
 from ..pool.groups import share_groups
+from ..pool.wire import dumps
 from ..world import World
 
 # How long a rank waits for the others at a store rendezvous that is not a cell (collection,
@@ -101,7 +102,7 @@ class Session:
 
     # ---- the store --------------------------------------------------------------------------
     def set(self, key: str, value, store=None) -> None:
-        (store or self.store).set(key, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        (store or self.store).set(key, dumps(value))
 
     def get(self, key: str, store=None):
         return pickle.loads((store or self.store).get(key))
