@@ -3,8 +3,8 @@
 Pickle sends a tensor's storage through ``torch.save`` and reads it back with ``torch.load``, about
 a millisecond a dict of small tensors each way, and a cell's ranks send thousands of them. Here a
 plain CPU tensor goes as its dtype, shape and bytes (a tenth of that); anything else (a tensor on
-a device, needing a gradient, a subclass such as DTensor or Parameter, sparse, quantized) keeps
-pickle's own way. Read with ``pickle.loads``.
+a device, needing a gradient, a subclass such as DTensor or Parameter, sparse, quantized, with a
+conj or neg bit) keeps pickle's own way. Read with ``pickle.loads``.
 """
 from __future__ import annotations
 
