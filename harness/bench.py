@@ -140,6 +140,7 @@ def _spawned_rank(rank: int, world: int, store_path: str, cfg: Config, out) -> N
     from .paths import load
     from .layout import MeshLayout
     from .pool.rank import build_meshes, context
+    from .pool.wire import dumps
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
@@ -149,7 +150,7 @@ def _spawned_rank(rank: int, world: int, store_path: str, cfg: Config, out) -> N
     build_meshes(meshes, (layout, *cell.meshes), "gloo")
     ctx = context(rank, layout, cell.meshes, meshes, torch.device("cpu"), "gloo", "")
     pieces = load(cell.impl.run)(ctx, cfg)
-    out.send_bytes(pickle.dumps(pieces))  # plain pickle, as the pool sends results
+    out.send_bytes(dumps(pieces))  # as the pool sends results
     dist.destroy_process_group()
 
 
