@@ -1,8 +1,9 @@
-"""The model cells' default optimizer (``harness.model.case.ShardwiseAdamW``) steps each DTensor
-parameter on its local shard: on real gloo ranks, over ten steps, every parameter and every AdamW
-state it leaves is bit for bit what ``torch.optim.AdamW(foreach=False)`` leaves stepping the DTensors
-themselves, for replicated, sharded, doubly and unevenly sharded, dim-1 sharded and 0-dim parameters in
-fp32 and fp64; its state stays DTensors (what checkpoints and the comparison read)."""
+"""``harness.parallel.optim.ShardwiseAdamW``, the optimizer of the model, FSDP2 and checkpoint cells,
+steps each DTensor parameter on its local shard: on real gloo ranks, over ten steps, every parameter
+and every AdamW state it leaves is bit for bit what ``torch.optim.AdamW(foreach=False)`` leaves
+stepping the DTensors themselves, for replicated, sharded, doubly and unevenly sharded, dim-1 sharded
+and 0-dim parameters in fp32 and fp64; its state stays DTensors (what checkpoints and the comparison
+read)."""
 import torch
 
 TP4 = (("tp", 4),)
@@ -13,7 +14,8 @@ def steps_agree(ctx, payload):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from harness.model.case import ADAMW, ShardwiseAdamW
+    from harness.model.case import ADAMW
+    from harness.parallel.optim import ShardwiseAdamW
 
     mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("a", "b"))
     shapes = [((7, 5), [Replicate(), Shard(0)]), ((9,), [Shard(0), Shard(0)]), ((4, 6), [Replicate(), Replicate()]),

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..names import DEGREES, mesh_names
+from ..parallel.optim import ShardwiseAdamW
 
 # Applied to every parameter by the default optimizer. eps is large on purpose: with eps=1e-8 the
 # first AdamW step is lr*sign(g), so rounding noise in a near-zero gradient would move a parameter by
@@ -29,47 +30,6 @@ MESH_SWITCHES = ("ep", "etp", "reshard")
 def default_forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
     """``model(batch["input"])``."""
     return model(batch["input"])
-
-
-class ShardwiseAdamW(torch.optim.AdamW):
-    """``torch.optim.AdamW``, its step run on each DTensor parameter's local shard when the
-    parameter's gradient has the parameter's placements (Shard/Replicate, no Partial): the
-    single-tensor step is elementwise, so a shard's result is the DTensor step's, bit for bit. A
-    DTensor step misses DTensor's sharding-propagation cache on every step (the step's bias
-    corrections are new scalars each time, and the cache keys on them), which made the optimizer step
-    most of an 8-rank model cell's time. State stays DTensors (checkpoints and ``state_of`` see them
-    as before); any other parameter takes AdamW's own DTensor or tensor path."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        from torch.distributed.tensor import DTensor
-
-        swapped = []  # (group, index, the DTensor parameter, its local shard, its state before the step)
-        for group in self.param_groups:
-            for i, p in enumerate(group["params"]):
-                if (isinstance(p, DTensor) and isinstance(p.grad, DTensor)
-                        and tuple(p.grad.placements) == tuple(p.placements) and p.grad.device_mesh == p.device_mesh):
-                    local = p.to_local()  # under no_grad: the shard itself, which the step updates in place
-                    local.grad = p.grad.to_local()
-                    state = self.state.pop(p, None)
-                    if state:
-                        self.state[local] = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
-                    group["params"][i] = local
-                    swapped.append((group, i, p, local, state))
-        try:
-            return super().step(closure)
-        finally:
-            for group, i, p, local, state in swapped:
-                group["params"][i] = p
-                local.grad = None
-                new = self.state.pop(local, None)
-                if state:  # the same local tensors, updated in place
-                    self.state[p] = state
-                elif new is not None:  # first step: wrap the new state as the parameter is
-                    self.state[p] = {k: (DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
-                                                            shape=p.shape, stride=p.stride())
-                                         if k != "step" else v)
-                                     for k, v in new.items()}
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:

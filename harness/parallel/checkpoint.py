@@ -53,10 +53,11 @@ from harness.context import RankContext
 from harness.layout import Piece, Shard, take
 from harness.names import param_name, state_name
 from reference.checkpoint import MOMENTS, PARAMS, make_problem, reduction_size
-from reference.common import adamw, probe_loss
+from reference.common import probe_loss
 
 from . import checkpoint_io
 from .fsdp import FSDP
+from .optim import shardwise_adamw
 
 # module parameter -> the reference's name
 NAMES = {"w1.weight": "w1", "w1.bias": "b1", "w2.weight": "w2", "w2.bias": "b2"}
@@ -295,7 +296,7 @@ class FSDP2Side(Side):
             fully_shard(self.model, mesh=self.mesh["dp"])
         else:
             fully_shard(self.model, mesh=self.mesh)
-        self.optimizer = adamw(list(self.model.parameters()))
+        self.optimizer = shardwise_adamw(list(self.model.parameters()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)

@@ -31,10 +31,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from harness.config import Config
 from harness.context import RankContext
 from harness.layout import Piece, Shard, take
-from reference.common import adamw, probe_loss
+from reference.common import probe_loss
 from reference.fsdp import MAX_NORM, STEPS, make_problem
 
 from .fsdp import dp_world, shard_dim, step_pieces
+from .optim import shardwise_adamw
 
 # module parameter name -> the reference's name
 NAMES = {"l1.weight": "w1", "l1.bias": "b1", "l2.weight": "w2", "l2.bias": "b2"}
@@ -78,7 +79,7 @@ def build(ctx: RankContext, cfg: Config, mesh: DeviceMesh | None = None) -> tupl
     for layer in (model.l1, model.l2):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    return model, adamw(list(model.parameters()))
+    return model, shardwise_adamw(list(model.parameters()))
 
 
 def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
