@@ -27,9 +27,9 @@ def add_options(parser) -> None:
                     help="under torchrun: where ranks other than 0 write their pytest output "
                          "(default: a directory in the system's temp dir, named in their closing line)")
     group.addoption("--quick", action="store_true",
-                    help="the edit loop: of each component and implementation, a few cells on its smallest mesh of "
-                         "more than one rank, covering every dtype and switch value, and no other test that needs "
-                         "the rank pool; the whole matrix stays the gate")
+                    help="the edit loop: of each component and implementation, a few cells that together run every "
+                         "mesh dim, dtype and switch value, and no other test that needs the rank pool; the whole "
+                         "matrix stays the gate")
     group.addoption("--changed", default=None, metavar="REF",
                     help="the cells a change since the git ref REF can move (the import graph from the changed files "
                          "to each cell's component, implementation, reference and model, and changed golden files); "

@@ -38,59 +38,58 @@ def world_needed(cfg: Config) -> int:
         return cfg.world
 
 
-def mesh_kind(cfg: Config) -> tuple[str, ...]:
-    """The dims a cell's mesh splits over (degree above 1), in its order: ``("rep", "dp")`` is HSDP,
-    ``("pp", "dp", "tp")`` a 3-D mesh; ``()`` one rank."""
-    return tuple(name for name, degree in cfg.mesh if degree > 1)
-
-
 def quick_selection(cfgs: list[Config], quick_only: Iterable[Config] = ()) -> set[Config]:
-    """Per (component, implementation): cells on the smallest mesh world above one (or the only
-    world there is), picked in order until every such mesh, dtype and switch value appears once;
-    and of every other kind of mesh it has (:func:`mesh_kind`: HSDP, 3 dims, ...), its smallest
-    cell; and each switch value those did not run where it acts, on few cells of the smallest worlds
-    (:func:`_where_switches_act`).
-    Small, yet every component, implementation, dtype, switch value and kind of mesh runs.
+    """Per (component, implementation), few cells that together run every mesh dim it splits over
+    (degree above 1), every dtype and every switch value, each value where it acts
+    (``Space.acts_with``: sequence parallelism with tp) when some cell runs it there: a greedy cover,
+    each step taking the cell that shows the most of what is still missing per rank it needs. Cells
+    of more than one rank cover first (a cell of one splits nothing); one whose switches all hold one
+    value (a checkpoint saved and loaded under the same layout reshards nothing) only where no other
+    cell shows what it shows. Small, yet every component, implementation, dim, dtype and switch value
+    runs.
 
     ``quick_only``: cells that stand in for those equal to them but for their sizes (fewer training
     steps), which are then never picked."""
     quick_only = set(quick_only)
     stood_for = {_but_sizes(cfg) for cfg in quick_only}
     cfgs = [cfg for cfg in cfgs if cfg in quick_only or _but_sizes(cfg) not in stood_for]
-    worlds: dict[tuple[str, str], set[int]] = defaultdict(set)
+    pairs: dict[tuple[str, str], list[Config]] = defaultdict(list)
     for cfg in cfgs:
-        worlds[cfg.component, cfg.impl].add(cfg.world)
-    smallest = {key: min([w for w in ws if w > 1] or ws) for key, ws in worlds.items()}
-    keep, seen = set(), set()
-    for cfg in cfgs:
-        key = (cfg.component, cfg.impl)
-        if cfg.world != smallest[key]:
-            continue
-        features = {(key, "mesh", cfg.mesh), (key, "dtype", cfg.dtype)} | {(key, k, v) for k, v in cfg.switches}
-        if features - seen:
-            keep.add(cfg)
-            seen |= features
-    kinds: dict[tuple, Config] = {}
-    for cfg in cfgs:  # the first cell of the smallest world of each kind of mesh not yet kept
-        kind = (cfg.component, cfg.impl, mesh_kind(cfg))
-        if kind[2] and (kind not in kinds or cfg.world < kinds[kind].world):
-            kinds[kind] = cfg
-    covered = {(c.component, c.impl, mesh_kind(c)) for c in keep}
-    keep |= {cfg for kind, cfg in kinds.items() if kind not in covered}
-    return keep | _where_switches_act(cfgs, keep)
+        pairs[cfg.component, cfg.impl].append(cfg)
+    acts = _acts()
+    keep: set[Config] = set()
+    for pair in pairs.values():
+        shows = {cfg: _features(cfg, acts) for cfg in pair}
+        acting = {f[:2] for fs in shows.values() for f in fs if f[0] == "switch" and f[2]}
+        wanted = {f for fs in shows.values() for f in fs if f[0] != "switch" or f[2] or f[:2] not in acting}
+        shows = {cfg: fs & wanted for cfg, fs in shows.items()}
+        chosen: list[Config] = []
+        for tier in ([cfg for cfg in pair if cfg.world > 1], pair):  # one rank only for what is left
+            order = {cfg: i for i, cfg in enumerate(tier)}
+            missing = wanted - set().union(*(shows[cfg] for cfg in chosen))
+            while candidates := [cfg for cfg in tier if shows[cfg] & missing]:
+                best = min(candidates, key=lambda cfg: (_one_value(cfg), -len(shows[cfg] & missing) / cfg.world,
+                                                         cfg.world, order[cfg]))
+                chosen.append(best)
+                missing -= shows[best]
+        for cfg in sorted(chosen, key=lambda cfg: -cfg.world):  # greedy leaves some a later pick covers
+            others = set().union(*(shows[c] for c in chosen if c is not cfg))
+            if shows[cfg] <= others:
+                chosen.remove(cfg)
+        keep.update(chosen)
+    return keep
 
 
-def _but_sizes(cfg: Config) -> Config:
-    return cfg.replace(sizes=())
+def _features(cfg: Config, acts) -> set[tuple]:
+    """What a cell shows :func:`quick_selection`: its split dims, its dtype, and each switch value with
+    whether it acts there."""
+    return ({("dim", name) for name, degree in cfg.mesh if degree > 1} | {("dtype", cfg.dtype)}
+            | {("switch", (k, v), acts(cfg, k)) for k, v in cfg.switches})
 
 
-def _where_switches_act(cfgs: list[Config], keep: set[Config]) -> set[Config]:
-    """Each value of a switch that no kept cell runs where it acts (``Space.acts_with``: sequence
-    parallelism with tp; a switch without it acts everywhere, so this also shows the values that only
-    larger worlds have). Smallest world first; a cell whose switches do not all hold one value before
-    one that does (a checkpoint saved under one layout and loaded under another before a round trip
-    through the same, which reshards nothing); then the cell that shows the most such values at once
-    (a checkpoint cell shows a save and a load layout: one cell, not two, where both are new)."""
+def _acts():
+    """``acts(cfg, switch)``: whether the switch does something on the cell's mesh (its component's
+    ``Space.acts_with``; a switch without an entry acts everywhere)."""
     from .registry import get, space_of
 
     spaces: dict[str, dict] = {}  # component -> its switches' dims
@@ -101,16 +100,11 @@ def _where_switches_act(cfgs: list[Config], keep: set[Config]) -> set[Config]:
             spaces[cfg.component] = space.acts_with if space is not None else {}
         dims = spaces[cfg.component].get(name)
         return dims is None or any(cfg.degree(d) > 1 for d in dims)
+    return acts
 
-    shows = {cfg: {(cfg.component, cfg.impl, k, v) for k, v in cfg.switches if acts(cfg, k)} for cfg in cfgs}
-    wanted = set().union(*shows.values()) - set().union(*(shows[c] for c in keep))
-    chosen: set[Config] = set()
-    while wanted:
-        best = min((cfg for cfg in cfgs if shows[cfg] & wanted),
-                   key=lambda cfg: (cfg.world, _one_value(cfg), -len(shows[cfg] & wanted)))
-        chosen.add(best)
-        wanted -= shows[best]
-    return chosen
+
+def _but_sizes(cfg: Config) -> Config:
+    return cfg.replace(sizes=())
 
 
 def _one_value(cfg: Config) -> bool:

@@ -96,6 +96,7 @@ def test_quick_runs_a_switch_where_it_acts(tmp_path):
     assert ran.get("spmlp-tp-tp2-fp32-sp_on") == "FAILED", (ran, out[-4000:], done.stderr[-2000:])
     failure = out.split("test_cell[spmlp-tp-tp2-fp32-sp_on")[1].split("reproduce:")[0]
     assert "partial sums over tp" in failure and "norm.weight" in failure, out[-6000:]
-    # without acts_with, the cells of the smallest world already show every value once: sp_on on dp=2
-    assert ran.get("spbare-tp-dp2-fp32-sp_on") == "PASSED" and "spbare-tp-tp2-fp32-sp_on" not in ran, ran
-    assert [v for c, v in ran.items() if c != "spmlp-tp-tp2-fp32-sp_on"] == ["PASSED"] * (len(ran) - 1), ran
+    # without acts_with, any cell shows a value: sp_on runs once, wherever it adds the most (here on tp=2
+    # as well, for its dim; the bug is only seen there)
+    assert len([c for c in ran if c.startswith("spbare-") and c.endswith("-sp_on")]) == 1, ran
+    assert all(v == "PASSED" for c, v in ran.items() if not c.endswith("-tp2-fp32-sp_on")), ran
