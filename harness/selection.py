@@ -45,8 +45,8 @@ def quick_selection(cfgs: list[Config], quick_only: Iterable[Config] = ()) -> se
     each step taking the cell that shows the most of what is still missing per rank it needs. Cells
     of more than one rank cover first (a cell of one splits nothing); one whose switches all hold one
     value (a checkpoint saved and loaded under the same layout reshards nothing) only where no other
-    cell shows what it shows. Small, yet every component, implementation, dim, dtype and switch value
-    runs.
+    cell shows what it shows. A picked cell whose dims and values the other picks all show is dropped
+    again. Small, yet every component, implementation, dim, dtype and switch value runs.
 
     ``quick_only``: cells that stand in for those equal to them but for their sizes (fewer training
     steps), which are then never picked."""
@@ -57,34 +57,33 @@ def quick_selection(cfgs: list[Config], quick_only: Iterable[Config] = ()) -> se
     for cfg in cfgs:
         pairs[cfg.component, cfg.impl].append(cfg)
     acts = _acts()
-    keep: set[Config] = set()
-    for pair in pairs.values():
-        shows = {cfg: _features(cfg, acts) for cfg in pair}
-        acting = {f[:2] for fs in shows.values() for f in fs if f[0] == "switch" and f[2]}
-        wanted = {f for fs in shows.values() for f in fs if f[0] != "switch" or f[2] or f[:2] not in acting}
-        shows = {cfg: fs & wanted for cfg, fs in shows.items()}
-        chosen: list[Config] = []
-        for tier in ([cfg for cfg in pair if cfg.world > 1], pair):  # one rank only for what is left
-            order = {cfg: i for i, cfg in enumerate(tier)}
-            missing = wanted - set().union(*(shows[cfg] for cfg in chosen))
-            while candidates := [cfg for cfg in tier if shows[cfg] & missing]:
-                best = min(candidates, key=lambda cfg: (_one_value(cfg), -len(shows[cfg] & missing) / cfg.world,
-                                                         cfg.world, order[cfg]))
-                chosen.append(best)
-                missing -= shows[best]
-        for cfg in sorted(chosen, key=lambda cfg: -cfg.world):  # greedy leaves some a later pick covers
-            others = set().union(*(shows[c] for c in chosen if c is not cfg))
-            if shows[cfg] <= others:
-                chosen.remove(cfg)
-        keep.update(chosen)
-    return keep
+    return {cfg for pair in pairs.values() for cfg in _cover(pair, acts)}
 
 
-def _features(cfg: Config, acts) -> set[tuple]:
-    """What a cell shows :func:`quick_selection`: its split dims, its dtype, and each switch value with
-    whether it acts there."""
+def _cover(cells: list[Config], acts) -> list[Config]:
+    """:func:`quick_selection`'s greedy cover of one (component, implementation)'s cells."""
+    acting = {(k, v) for cfg in cells for k, v in cfg.switches if acts(cfg, k)}
+    shows = {cfg: _features(cfg, acts, acting) for cfg in cells}
+    missing = set().union(*shows.values())
+    chosen: list[Config] = []
+    for tier in ([cfg for cfg in cells if cfg.world > 1], cells):  # one rank only for what is left
+        order = {cfg: i for i, cfg in enumerate(tier)}
+        while candidates := [cfg for cfg in tier if shows[cfg] & missing]:
+            best = min(candidates, key=lambda cfg: (_one_value(cfg), -len(shows[cfg] & missing) / cfg.world,
+                                                     cfg.world, order[cfg]))
+            chosen.append(best)
+            missing -= shows[best]
+    for cfg in sorted(chosen, key=lambda cfg: -cfg.world):  # a later pick may show all an earlier one did
+        if shows[cfg] <= set().union(*(shows[c] for c in chosen if c is not cfg)):
+            chosen.remove(cfg)
+    return chosen
+
+
+def _features(cfg: Config, acts, acting: set[tuple[str, str]]) -> set[tuple]:
+    """What a cell shows :func:`_cover`: its split dims, its dtype, and each switch value it runs where
+    the value acts (anywhere, for a value in no cell where it acts: not in ``acting``)."""
     return ({("dim", name) for name, degree in cfg.mesh if degree > 1} | {("dtype", cfg.dtype)}
-            | {("switch", (k, v), acts(cfg, k)) for k, v in cfg.switches})
+            | {("switch", k, v) for k, v in cfg.switches if acts(cfg, k) or (k, v) not in acting})
 
 
 def _acts():
