@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,26 @@ import pytest
 from .commands import rerun_command
 from .config import Config
 from .record import PROPERTY, cell_record, worst
+
+def told(record: dict, judge, *args):
+    """``judge(*args)`` -> ``(failure, outcome)``, with what the cell's code left changed in its
+    processes (:class:`harness.pool.parent.LeftChanged`, said by the pool, or a torchrun rank, as its
+    tasks end) in ``record`` (``left_changed``) and, where the cell failed, in its failure: maybe the
+    very cause. The warnings stay warnings: pytest's summary shows them on the cell."""
+    from .pool.parent import LeftChanged
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        failure, outcome = judge(*args)
+    lines = [str(w.message) for w in caught if issubclass(w.category, LeftChanged)]
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    if lines:
+        record["left_changed"] = "\n".join(lines)
+        if failure is not None:
+            failure = "\n".join([failure, *(line for line in lines if line not in failure)])
+    return failure, outcome
+
 
 class CellCheck:
     """``parity(cfg)`` for one test: runs the cell through ``pool`` (the warm pool, or under torchrun
@@ -60,11 +81,11 @@ class CellCheck:
                 self.request.applymarker(pytest.mark.xfail(
                     strict=disposition.strict, reason=f"known divergence of {cfg.impl}: {disposition.reason}. {after}"))
             if self.runner is None:
-                failure, outcome = self.judge(cell, self.pool, record, start)
+                failure, outcome = told(record, self.judge, cell, self.pool, record, start)
             else:
                 from .torchrun.plugin import on_ranks
 
-                failure, outcome = on_ranks(self, cell, self.runner, record, start)
+                failure, outcome = told(record, on_ranks, self, cell, self.runner, record, start)
         record["seconds"] = record.get("seconds") or round(time.perf_counter() - start, 4)
         if failure is not None:  # outside the except block: the report shows our message, no chain
             pytest.fail(failure, pytrace=False)

@@ -38,6 +38,22 @@ class World:
         self.rank, self.backend, self.store, self.device = rank, backend, store, device
         self.address, self.port, self.per_host, self.timeout = address, port, per_host, timeout
         self.current = current
+        self._group = None  # the default group this World made, to tell it from one a cell's code made
+        if current is not None:  # handed a world already made (torchrun's job group)
+            import torch.distributed as dist
+
+            self._group = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+
+    def disturbed(self) -> bool:
+        """Whether the cell's code left this rank's default group other than :meth:`enter` made it:
+        destroyed, or replaced by one of its own (a trainer's ``destroy_process_group`` and
+        ``init_process_group``). The world is then entered anew, under a new generation, before the
+        next cell."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return self._group is not None
+        return dist.distributed_c10d._get_default_group() is not self._group
 
     def enter(self, size: int, generation: int) -> bool:
         """Hold the default group of world ``(size, generation)`` (none beyond ``size``); True when
@@ -60,25 +76,30 @@ class World:
             if self.backend == "nccl":
                 options["device_id"] = self.device
             dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=size, **options)
+            self._group = dist.distributed_c10d._get_default_group()
+        else:
+            self._group = None
         return True
 
-    def environment(self, size: int) -> dict[str, str]:
+    def environment(self, size: int, port: int | None = None) -> dict[str, str]:
         """torchrun's variables for this rank in a world of ``size`` ranks over hosts of
-        ``per_host`` ranks each, the ranks numbered host by host."""
+        ``per_host`` ranks each, the ranks numbered host by host; ``MASTER_PORT`` is ``port`` where
+        given (the pool: a free one per task, where a trainer's own ``init_process_group("env://")``
+        can host its store), else the world's store's."""
         host, local = divmod(self.rank, self.per_host)
         hosts = -(-size // self.per_host)
         on_host = min(self.per_host, size - host * self.per_host)
         return {"RANK": str(self.rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(size),
                 "LOCAL_WORLD_SIZE": str(on_host), "GROUP_RANK": str(host), "GROUP_WORLD_SIZE": str(hosts),
                 "ROLE_RANK": str(self.rank), "ROLE_WORLD_SIZE": str(size), "MASTER_ADDR": self.address,
-                "MASTER_PORT": str(self.port)}
+                "MASTER_PORT": str(self.port if port is None else port)}
 
     @contextlib.contextmanager
-    def inside(self, size: int):
-        """The task's environment: torchrun's variables of this world; afterwards the environment as
-        it was before the task, whatever the task's code set or removed."""
+    def inside(self, size: int, port: int | None = None):
+        """The task's environment: torchrun's variables of this world (:meth:`environment`);
+        afterwards the environment as it was before the task, whatever the task's code set or removed."""
         before = dict(os.environ)
-        os.environ.update(self.environment(size))
+        os.environ.update(self.environment(size, port))
         try:
             yield
         finally:
@@ -196,6 +217,11 @@ def explained(error: BaseException, size: int) -> str | None:
             return (f"the cell's code called torch.distributed.init_process_group{where}, but the harness made "
                     f"this cell's world already: the default group over its {size} ranks, with RANK, WORLD_SIZE "
                     "and MASTER_ADDR/PORT set as torchrun sets them; call it only when not dist.is_initialized()")
+        if "Default process group has not been initialized" in text:
+            return (f"the cell's code destroyed its default process group (destroy_process_group), and then the "
+                    f"cell needed it{where}: a trainer destroys it at exit; under the harness the cell's world "
+                    "outlives its code (the next cell's world is made anew), so leave it, or make your own again "
+                    "with init_process_group(\"env://\") as under torchrun")
         if "Mesh should not be bigger than default world size" in text:
             return (f"the cell's code built a device mesh{where} larger than its world of {size} ranks ({text}); "
                     "build it from dist.get_world_size(), its shape multiplying to the world")

@@ -5,6 +5,7 @@ process group, and sent one task at a time under a deadline.
   rank's outcome, kill and restart on a hang or a death;
 * :mod:`.rank`: the zygote and the rank loop, on the other side;
 * :mod:`.backend`: gloo or NCCL, and each rank's device;
-* :mod:`.tasks`: small tasks the harness itself sends (the empty case, mesh checks).
+* :mod:`.tasks`: small tasks the harness itself sends (the empty case, mesh checks);
+* :mod:`.state`: what a cell's code can leave changed in its process, checked after every task.
 """
-from .parent import CaseFailure, Pool, PoolError, shared_pool  # noqa: F401
+from .parent import CaseFailure, LeftChanged, Pool, PoolError, shared_pool  # noqa: F401

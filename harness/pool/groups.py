@@ -61,6 +61,18 @@ def share_groups() -> None:
         module.destroy_process_group = destroy_process_group
 
 
+def own_groups() -> int:
+    """How many process groups this process holds beyond its default group and the groups it
+    shares by rank set: those a cell's code made with options of their own and left."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return 0
+    shared = {id(g) for g in _shared.values()}
+    default = dist.distributed_c10d._get_default_group()
+    return sum(1 for g in dist.distributed_c10d._world.pg_map if g is not default and id(g) not in shared)
+
+
 def shared_count() -> int:
     """How many distinct groups this process has created through the cache."""
     return len(_shared)

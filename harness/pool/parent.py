@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -71,6 +72,19 @@ def preloads(cfgs) -> dict:
 
 class PoolError(RuntimeError):
     """The pool could not start or cannot run a task of this shape."""
+
+
+class LeftChanged(UserWarning):
+    """A cell that passed left its processes changed (grad mode off, a function of torch replaced,
+    ...): said on that cell, while the next cell starts from clean ones."""
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now: the ``MASTER_PORT`` a task sees, where a trainer's own
+    ``init_process_group("env://")`` hosts its store (the world's store is elsewhere)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def fitting(mesh, extra_meshes, size: int, short: str) -> tuple[MeshLayout, tuple, int]:
@@ -232,6 +246,7 @@ class Pool:
         self._built: set[tuple] = set()
         self._world = (0, 0)
         self._alone: Pool | None = None  # the rank of one beside this pool (:meth:`alone`)
+        self._unfit: str | None = None  # the scratch of the cell that left the ranks unfit for another
         self.starts = 0  # how many times a pool was started (tests check restarts)
         atexit.register(self.close)
 
@@ -371,6 +386,7 @@ class Pool:
         for conn in self._conns:
             conn.close()
         self._conns, self._pids, self._ready = [], {}, False
+        self._unfit = None
         if self._tmp:
             pooldir.remove(self._tmp)
             self._tmp = None
@@ -407,6 +423,8 @@ class Pool:
         """
         mesh, extra, size = fitting(mesh, extra_meshes, self.size, "the pool has {size}: run with --pool-size {need}")
         world = mesh.world
+        if self._unfit is not None and (scratch is None or scratch != self._unfit):
+            self.kill()  # a cell before this one left its ranks unfit: this one starts on fresh ones
         self.start()
         if self._world[0] != size:  # a world of another size: a new default group, new meshes
             self._world = (size, self._world[1] + 1)
@@ -423,7 +441,10 @@ class Pool:
 
     def new_scratch(self) -> str:
         """An empty directory for a caller's task (``run(scratch=...)``), in the pool's own temporary
-        directory: gone with the pool whatever happens, removed or kept by the caller before that."""
+        directory: gone with the pool whatever happens, removed or kept by the caller before that.
+        A new directory is a new cell: ranks the last one left unfit are replaced first."""
+        if self._unfit is not None:
+            self.kill()
         self.start()
         return tempfile.mkdtemp(prefix="cell", dir=self._tmp)
 
@@ -465,8 +486,9 @@ class Pool:
 
     def _run(self, fn: str, payload: Any, mesh: tuple, extra: tuple, seed: int, scratch: str, world: int,
              deadline: float, label: str) -> dict[int, Any]:
-        message = wire.dumps(("run", self._task, fn, payload, mesh, extra, seed, scratch, self._world))
+        message = wire.dumps(("run", self._task, fn, payload, mesh, extra, seed, scratch, self._world, free_port()))
         outcomes: dict[int, Outcome] = {}
+        changed_on: dict[int, dict] = {}  # what each rank's task left changed (rank.Before.left)
         for rank, conn in enumerate(self._conns):
             try:
                 conn.send_bytes(message)
@@ -492,7 +514,7 @@ class Pool:
                     failed_at = failed_at or time.monotonic()
                     continue
                 try:
-                    status, task, _, value = pickle.loads(data)
+                    status, task, _, value, changed = pickle.loads(data)
                 except Exception as error:  # noqa: BLE001  e.g. a result type the parent cannot import
                     why = f"its result cannot be unpickled in the parent ({type(error).__name__}: {error}); " \
                           "return tensors, Pieces and plain Python values"
@@ -502,14 +524,41 @@ class Pool:
                 if task != self._task:
                     continue
                 outcomes[rank] = Outcome.of_reply(rank, status, value)
+                if changed:
+                    changed_on[rank] = changed
                 if status == "raised":
                     failed_at = failed_at or time.monotonic()
+        told = self._settle(changed_on, scratch)
         if len(outcomes) == self.size and all(o.status in ("ok", "idle") for o in outcomes.values()):
+            if told:
+                warnings.warn(LeftChanged(f"{label or 'a task'}: {told}"), stacklevel=4)
             return {r: outcomes[r].value for r in range(world)}
-        raise self._failure(outcomes, world, deadline, label, time.monotonic() - start)
+        raise self._failure(outcomes, world, deadline, label, time.monotonic() - start, told)
+
+    def _settle(self, left: dict[int, dict], scratch: str) -> str:
+        """Act on what a task's code left changed on its ranks (:meth:`harness.pool.rank.Before.left`):
+        a world disturbed is entered anew by the next task; ranks unfit to serve another cell are
+        replaced before the next cell (the next task with another scratch directory, or
+        :meth:`new_scratch`). The line that tells what changed, or ""."""
+        if any(changed["world"] for changed in left.values()):
+            self._world = (self._world[0], self._world[1] + 1)  # every rank makes the world anew
+            self._built.clear()
+        if any(not changed["fit"] for changed in left.values()):
+            self._unfit = scratch
+        ranks: dict[str, list[int]] = {}
+        for rank, changed in sorted(left.items()):
+            for line in changed["told"]:
+                ranks.setdefault(line, []).append(rank)
+        if not ranks:
+            return ""
+        where = "on the rank of one" if self.size == 1 else None
+        said = "; ".join(f"{line} ({where or ranks_text(rs)})" for line, rs in ranks.items())
+        return f"its code left its processes changed: {said}; the next cell starts clean"
 
     def _failure(self, outcomes: dict[int, Outcome], world: int, deadline: float, label: str,
-                 elapsed: float) -> CaseFailure:
+                 elapsed: float, told: str = "") -> CaseFailure:
+        """The task's :class:`CaseFailure`; ``told``: what its code left changed (:meth:`_settle`),
+        maybe the very cause, said in its first line."""
         stuck = [r for r in range(self.size) if r not in outcomes]
         stacks = self._dump_stacks(stuck) if stuck else {}
         for r in stuck:
@@ -532,7 +581,7 @@ class Pool:
                                                      for k in kinds])
         if stuck or dead:
             self.kill()  # a pool with stuck or dead ranks cannot be trusted: the next task starts afresh
-        return CaseFailure(reason, outcomes, world)
+        return CaseFailure(f"{reason}; {told}" if told else reason, outcomes, world)
 
     # ---- helpers -----------------------------------------------------------------------
     def _stack_path(self, rank: int) -> str:

@@ -20,9 +20,11 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from . import pooldir
+from .state import Baseline
 
 PR_SET_PDEATHSIG = 1
 
@@ -187,9 +189,9 @@ def seed_rank(seed: int, rank: int) -> None:
     random.seed(value)
 
 
-def build_meshes(meshes: dict, wanted, backend: str) -> None:
+def build_meshes(meshes: dict, wanted, backend: str) -> bool:
     """Build every mesh of ``wanted`` (each a :class:`harness.layout.MeshDeclaration`) that ``meshes``
-    lacks, and cache what this rank holds of it by the declaration.
+    lacks, and cache what this rank holds of it by the declaration; True when it built one.
 
     Collective: every rank of the default process group must call it with the same ``wanted``, the
     ranks outside a (smaller) mesh included, because each DeviceMesh makes its groups with
@@ -200,9 +202,12 @@ def build_meshes(meshes: dict, wanted, backend: str) -> None:
 
     from .backend import device_type
 
+    built = False
     for mesh in wanted:
         if mesh not in meshes:
             meshes[mesh] = mesh.build(device_type(backend), dist.get_world_size())
+            built = True
+    return built
 
 
 def context(rank: int, layout, extra, meshes: dict, device, backend: str, scratch: str):
@@ -238,6 +243,7 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
     store = dist.TCPStore("127.0.0.1", port, pool_size, is_master=False)
     world = World(rank, backend, store, device, "127.0.0.1", port, per_host=pool_size)
     share_groups()
+    baseline = Baseline.take()  # after the harness's own set-up: what every cell must find
     _send(conn, ("ready", rank))
     meshes: dict = {}  # mesh description -> DeviceMesh or Meshes, built by build_meshes
     functions: dict[str, object] = {}
@@ -248,25 +254,66 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
             break
         if message[0] == "stop":
             break
-        _, task, path, payload, mesh, extra, seed, scratch, (size, generation) = message
+        _, task, path, payload, mesh, extra, seed, scratch, (size, generation), master_port = message
+        left = None
         try:
-            if world.enter(size, generation):
+            entered = world.enter(size, generation)
+            if entered:
                 meshes.clear()
             if rank >= size:
-                _send(conn, ("idle", task, rank, None))
+                _send(conn, ("idle", task, rank, None, None))
                 continue
-            with world.inside(size):
-                build_meshes(meshes, (mesh, *extra), backend)
+            with world.inside(size, master_port):
+                if build_meshes(meshes, (mesh, *extra), backend) or entered:
+                    baseline.rebase()  # what torch installs lazily as it makes groups is no cell's doing
                 if rank >= mesh.world:
-                    _send(conn, ("idle", task, rank, None))
+                    _send(conn, ("idle", task, rank, None, None))
                     continue
+                before = Before.now()
                 status, value = run_task(functions, path, payload, rank, mesh, extra, meshes, device, backend,
                                          scratch, seed, size)
+            left = before.left(baseline, world)
         except BaseException as error:  # noqa: BLE001  every failure goes back to the parent, with its traceback
             status, value = raised(error, size)
-        if not _reply(conn, (status, task, rank, value), size):
+        if not _reply(conn, (status, task, rank, value, left), size):
             break
     os._exit(0)
+
+
+# threads a library starts once for the life of a process, on first use, and that compute nothing:
+# tqdm's monitor (transformers' from_pretrained shows a progress bar)
+LIFELONG_THREADS = frozenset({"tqdm_monitor"})
+
+
+@dataclass
+class Before:
+    """What a rank holds just before a task's code runs, beyond its :class:`Baseline`: its Python
+    threads and the process groups of its own (:func:`harness.pool.groups.own_groups`)."""
+
+    threads: set[int]
+    groups: int
+
+    @classmethod
+    def now(cls) -> Before:
+        from .groups import own_groups
+
+        return cls({t.ident for t in threading.enumerate()}, own_groups())
+
+    def left(self, baseline: Baseline, world, put_back_code: bool = False) -> dict:
+        """What the task left changed in this rank, for the parent: ``told`` (a line each, settings
+        already put back; code too with ``put_back_code``), ``fit`` (False: replace the ranks before
+        the next cell), ``world`` (True: its default group was destroyed or replaced, or groups of
+        its own left: enter it anew)."""
+        from .groups import own_groups
+
+        changes = baseline.check(put_back_code)
+        threads = [t.name for t in threading.enumerate()
+                   if t.ident not in self.threads and t.is_alive() and t.name not in LIFELONG_THREADS]
+        if threads:
+            changes.lines.append(f"{len(threads)} thread(s) left running ({', '.join(sorted(threads)[:3])})")
+            changes.fit = False
+        return {"told": changes.lines, "fit": changes.fit,
+                "world": world.disturbed() or own_groups() > self.groups}
 
 
 def _reply(conn: Connection, reply: tuple, size: int) -> bool:
@@ -278,7 +325,7 @@ def _reply(conn: Connection, reply: tuple, size: int) -> bool:
         except BaseException as error:  # noqa: BLE001  e.g. a result that cannot be pickled
             if reply[0] == "raised":
                 raise
-            _send(conn, ("raised", *reply[1:3], raised(error, size)[1]))
+            _send(conn, ("raised", *reply[1:3], raised(error, size)[1], reply[4]))
     except (OSError, EOFError):
         return False
     return True

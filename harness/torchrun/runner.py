@@ -24,10 +24,11 @@ import pickle
 import shutil
 import tempfile
 import time
+import warnings
 from typing import Any
 
 from ..pool import wire
-from ..pool.parent import FAILURE_GRACE, CaseFailure, Outcome, failure_reason, fitting
+from ..pool.parent import FAILURE_GRACE, CaseFailure, LeftChanged, Outcome, failure_reason, fitting
 from .attempts import POLL, RESTART_EXIT, STACK_GRACE, Attempts  # noqa: F401  (RESTART_EXIT, STACK_GRACE: re-exported)
 from .session import Session
 from .watchdog import Watchdog
@@ -56,6 +57,8 @@ class RankRunner(Attempts):
         self._job_scratch = os.path.join(root, f"paritytest-{session.env.run_id}-{session.env.master_port}")
         self._scratch = f"{self._job_scratch}-attempt{session.env.attempt}"
         self.watchdog = Watchdog()
+        self._baseline = None  # what every cell must find in this process (harness.pool.state)
+        self._last_key: str | None = None  # the last round's key, whose "disturbed" flag the next reads
 
     # ---- the pool's interface ------------------------------------------------------------
     def run(self, fn: str, payload: Any, mesh: tuple[tuple[str, int], ...], *, seed: int = 0,
@@ -89,7 +92,7 @@ class RankRunner(Attempts):
         # early: rank 0 asks for the stacks before the deadline when a rank raised and the others hang
         self.watchdog.arm(deadline, lambda: self._expired(world, label, deadline, start),
                           early=lambda: self.rank != 0 and self.session.store.check([f"{key}/dump"]))
-        self._publish(self._run_here(fn, payload, mesh, extra, seed, scratch, world, size))
+        self._publish(self._run_here(fn, payload, mesh, extra, seed, scratch, world, size, label))
         if gather == "first" and self.rank != 0:
             return None
         try:
@@ -104,9 +107,16 @@ class RankRunner(Attempts):
         from ..pool.rank import build_meshes
 
         cells = self.session.cell_world
-        if cells.current[0] != size:  # every rank runs every round: the same generations everywhere
+        # every rank runs every round: the same generations everywhere. A world the last round's code
+        # left disturbed on some rank (its default group destroyed or replaced, groups of its own
+        # left) is made anew, as in the pool: every rank reads the same flag, published before rank
+        # 0 judged that round
+        disturbed = self._last_key is not None and self.session.store.check([f"{self._last_key}/disturbed"])
+        if cells.current[0] != size or disturbed:
             cells.enter(size, cells.current[1] + 1)
             self._meshes.clear()
+            if self._baseline is not None:
+                self._baseline.rebase()
         self._task += 1
         # keyed by the test and the call's number within it, not a job-wide count: a rank that
         # skipped a round for any reason cannot read another test's outcomes or verdict as its own
@@ -114,7 +124,8 @@ class RankRunner(Attempts):
         # Collective over the cell's world, as in the pool's mesh build round: setup, not the case.
         if self.rank < size:
             with cells.inside(size):
-                build_meshes(self._meshes, (mesh, *extra), self.backend)
+                if build_meshes(self._meshes, (mesh, *extra), self.backend) and self._baseline is not None:
+                    self._baseline.rebase()  # what torch installs lazily as it makes groups
         scratch = os.path.join(self._scratch, self._key)
         os.makedirs(scratch, exist_ok=True)
         if self.rank == 0:  # what the next attempt must judge if this one dies inside the cell
@@ -124,17 +135,32 @@ class RankRunner(Attempts):
         return scratch
 
     def _run_here(self, fn: str, payload: Any, mesh: tuple, extra: tuple, seed: int, scratch: str, world: int,
-                  size: int) -> tuple:
+                  size: int, label: str = "") -> tuple:
         """This rank's part of the round, the pool's rank body (:func:`harness.pool.rank.run_task`):
         its reply, ``("idle", None)`` beyond the cell's world."""
         from ..pool.rank import run_task
 
+        from ..pool.rank import Before
+        from ..pool.state import Baseline
+
+        self._last_key = self._key
         if self.rank >= world:
             return "idle", None
+        if self._baseline is None:  # taken once, at the first cell: the session and its groups made
+            self._baseline = Baseline.take()
+        before = Before.now()
         out = run_task(self._functions, fn, payload, self.rank, mesh, extra, self._meshes, self.session.device,
                        self.backend, scratch, seed, size, inside=self.session.cell_world.inside(size))
         if out[0] == "raised":
             self.own_failures += 1
+        # this process serves the next cell as it is: settings and code are put back in place
+        left = before.left(self._baseline, self.session.cell_world, put_back_code=True)
+        if left["world"]:
+            self.session.store.set(f"{self._key}/disturbed", b"1")
+        if left["told"]:
+            warnings.warn(LeftChanged(f"{label or 'a task'} on rank {self.rank}: its code left its process "
+                                      f"changed: {'; '.join(left['told'])}; put back before the next cell"),
+                          stacklevel=3)
         return out
 
     def new_scratch(self) -> None:
