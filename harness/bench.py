@@ -16,6 +16,8 @@ speedup is a ratio against the baseline run right here):
   one cell by node id with a cold pool, and the same with a kept pool (``--keep-pool``; started and
   warmed once beforehand, stopped after), each a fresh pytest process from the checkout root, medians
   and the ratios to the import in the same invocation;
+* starting every cell clean (:mod:`harness.pool.state`): the baseline a rank takes once, the check
+  after each task, and a check that finds a function replaced;
 * spawn-per-test, the baseline: the same cell in freshly spawned processes with a fresh process
   group, as PyTorch's MultiProcessTestCase runs each test; for the TP cell and for the whole-model
   cell (``MODELS``: transformers' tiny Llama, its TP plan x FSDP2 on dp=2,tp=2, 3 steps; without
@@ -124,6 +126,36 @@ def edit_loop(repeats: int) -> dict:
     }
 
 
+def clean_start(repeats: int) -> dict:
+    """What starting every cell clean costs a rank (:mod:`harness.pool.state`): the baseline taken
+    once as the rank starts, and the check after each task, with every registered implementation's
+    modules imported as a rank of the default pool has them; and the check of a task that replaced
+    a function (which then replaces the ranks: a pool start, above)."""
+    import importlib
+
+    import torch.nn.functional as F
+
+    from .pool.parent import default_preload
+    from .pool.state import Baseline
+
+    for module in default_preload():
+        importlib.import_module(module)
+    t = time.perf_counter()
+    baseline = Baseline.take()
+    take_ms = (time.perf_counter() - t) * 1e3
+    check_ms = _median_ms(baseline.check, repeats)
+    gelu = F.gelu
+
+    def patched() -> None:
+        F.gelu = lambda x, approximate="none": x
+        baseline.check(put_back_code=True)
+
+    patched_ms = _median_ms(patched, max(5, repeats // 10))
+    assert F.gelu is gelu
+    return {"clean_take_ms": round(take_ms, 2), "clean_check_ms": round(check_ms, 3),
+            "clean_check_patched_ms": round(patched_ms, 3), "clean_dicts": len(baseline.spaces.dicts)}
+
+
 def _median_ms(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -229,6 +261,7 @@ def main(argv=None) -> dict:
     spawn = [_median_ms(lambda: spawn_per_test(TP_MLP), 1) / 1e3 for _ in range(args.starts)]
     model = next(name for name in MODELS if name in cell_ms)
     model_spawn = [_median_ms(lambda: spawn_per_test(MODELS[model]), 1) / 1e3 for _ in range(args.starts)]
+    clean = clean_start(args.repeats)
     figures = {
         "pool_start_s": round(statistics.median(starts), 3),
         "first_case_ms": round(statistics.median(firsts), 2),
@@ -240,6 +273,8 @@ def main(argv=None) -> dict:
         "speedup_vs_spawn": round(statistics.median(spawn) * 1e3 / tp_ms, 1),
         "model_spawn_per_test_s": round(statistics.median(model_spawn), 3),
         "model_speedup_vs_spawn": round(statistics.median(model_spawn) * 1e3 / cell_ms[model], 1),
+        **clean,
+        "clean_check_over_empty_case": round(clean["clean_check_ms"] / empty["4"], 3),
         "repeats": args.repeats,
         "cpus": os.cpu_count(),
         **loop,
@@ -258,6 +293,11 @@ def main(argv=None) -> dict:
     say(f"spawn-per-test, model     {figures['model_spawn_per_test_s']:8.2f} s   median of {args.starts}: "
         f"{MODELS[model].id}")
     say(f"speedup per model cell    {figures['model_speedup_vs_spawn']:8.1f} x")
+    say(f"clean start: baseline     {figures['clean_take_ms']:8.2f} ms  once per rank, {figures['clean_dicts']} "
+        "module and class dicts")
+    say(f"clean start: check        {figures['clean_check_ms']:8.3f} ms  per rank and task, median of {args.repeats}, "
+        f"{figures['clean_check_over_empty_case']:.2f}x the empty case at world 4")
+    say(f"clean start: a patch      {figures['clean_check_patched_ms']:8.3f} ms  found and put back")
     if args.json:
         print(json.dumps(figures))
     return figures
