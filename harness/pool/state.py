@@ -136,15 +136,21 @@ def _torch_hook(old: Any, new: Any) -> bool:
     return getattr(new, "hooked", False) is True and getattr(new, "__wrapped__", None) is old
 
 
-# the interpreter's hooks and streams: torch's init_process_group installs an excepthook of its
-# own on every call, and none of them computes
-_UNWATCHED = frozenset({"sys"})
+# what is not a cell's to change, and computes nothing: the interpreter's hooks and streams (torch's
+# init_process_group installs an excepthook on every call), and, under torchrun where a rank is a
+# pytest process, the test runner's own hooks (pytest swaps warnings' display and its assertion
+# helpers around every test)
+_UNWATCHED = ("sys", "warnings", "pytest", "_pytest", "pluggy")
+
+
+def _watched(name: str) -> bool:
+    return name.partition(".")[0] not in _UNWATCHED
 
 
 def _owners(modules: dict[str, types.ModuleType]):
     """``(label, the dict that holds its attributes)`` of each module and each class it defines."""
     for name, module in modules.items():
-        if not isinstance(module, types.ModuleType) or name in _UNWATCHED:
+        if not isinstance(module, types.ModuleType) or not _watched(name):
             continue
         try:
             space = object.__getattribute__(module, "__dict__")
