@@ -15,6 +15,27 @@ pytest_plugins = ["pytester"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# ---- how the suite is spread over xdist's workers ----------------------------------------------------
+def pytest_configure(config):
+    """Under ``-n``, a module's tests on one worker, the modules in collection order (see
+    ``pytest_collection_modifyitems``), unless the command line chose a ``--dist`` of its own: a
+    module-scoped fixture (a user's project run once, a virtual environment, a pool) is set up once,
+    not once on each worker. (Not ``loadgroup``: xdist 3.8 renames the grouped items' node ids, which
+    pytest 9.2 ignores, so its groups are silently not kept.)"""
+    if any(a == "--dist" or a.startswith("--dist=") for a in config.invocation_params.args):
+        return
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadscope"
+        config.option.loadscopereorder = False  # xdist would put the modules with the most tests first
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules that hold slow tests first, so that the last minutes are not one long module on
+    one worker while the other idles (stable: the order within a module is kept)."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
 @pytest.fixture(scope="module")
 def small_pool():
     """A private pool of 4 ranks with a short deadline, so fault tests need not wait long."""

@@ -20,6 +20,8 @@ import pytest
 from harness.report import junit
 from tests.test_torchrun import env_for, torchrun
 
+pytestmark = pytest.mark.slow  # four pytest runs of a user's project, two of them under -n 2 and torchrun
+
 CASES = textwrap.dedent('''\
     import dataclasses
     from datetime import timedelta
