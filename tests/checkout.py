@@ -1,6 +1,8 @@
 """A copy of this checkout's sources, for tests that install or commit it elsewhere."""
 import os
 import shutil
+import site
+import subprocess
 import sys
 from pathlib import Path
 
@@ -36,3 +38,14 @@ def user_env() -> dict[str, str]:
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
                                   if not p.startswith(str(Path(sys.executable).parent)))
     return env
+
+
+def venv_over_this_one(dest: Path) -> Path:
+    """A virtual environment at ``dest`` that sees this run's installed packages and installs into its
+    own: a package ``pip --python`` puts there shadows this run's, as it would have replaced it in a
+    user's (seconds, where installing torch and the extras anew takes minutes). Its interpreter."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(dest)], check=True)
+    (own,) = Path(dest, "lib").glob("python*/site-packages")
+    # addsitedir, not a bare path: this run's own .pth files (the editable install's finder) apply too
+    (own / "_this_run.pth").write_text("".join(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages()))
+    return Path(dest, "bin", "python")

@@ -12,7 +12,7 @@ import pytest
 
 from harness import versions
 from harness.versions import Library
-from tests.checkout import ROOT, copy_checkout, user_env
+from tests.checkout import ROOT, copy_checkout, user_env, venv_over_this_one
 
 PINNED = {"transformers": "5.23.0", "megatron-core": "0.16.1", "accelerate": "1.15.0"}
 # an older 5.x that installs over the pin beside CPU torch 2.13 (--no-deps: nothing else changes)
@@ -98,24 +98,23 @@ def test_the_report_names_the_versions_and_warns_at_the_top(tmp_path):
     assert "<b>Versions:</b> torch 2.13.0, transformers 5.22.2 (pinned 5.23.0)" in page
 
 
-@pytest.mark.slow  # builds a virtual environment (about 2 minutes) and runs three cells in it
+@pytest.mark.slow  # runs three cells in a pytest of its own
 def test_a_maintainer_with_an_older_transformers_installed_over_the_pin_is_told(tmp_path):
-    """As a maintainer bumping transformers would: README's install in a checkout, then an older
-    5.x installed over the pin; a few hf cells run from the checkout with junit XML and the report."""
+    """As a maintainer bumping transformers would: an older 5.x installed over the pin with pip, then a
+    few hf cells run from a checkout with junit XML and the report. (README's install itself is
+    .ci/run's first step and test_outside_project's; here a virtual environment over this run's.)"""
     source = copy_checkout(tmp_path / "paritytest")
     env = user_env()
-
-    def sh(script: str, timeout: float) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=source, env=env, capture_output=True,
-                              text=True, timeout=timeout)
-
-    install = sh("python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e '.[thirdparty]' && "
-                 f".venv/bin/pip install -q --no-deps transformers=={OLDER_TRANSFORMERS}", timeout=900)
+    python = venv_over_this_one(tmp_path / "venv")
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+                              f"transformers=={OLDER_TRANSFORMERS}"], env=env, capture_output=True, text=True,
+                             timeout=600)
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
     cells = " or ".join((SKIPPED, DECLARED, RUNS))
-    done = sh(f".venv/bin/python -m pytest cases/test_moe.py cases/test_tp.py -rsxX -k '{cells}' "
-              "--junitxml=reports/cases.xml && .venv/bin/python -m harness.report --junit reports/cases.xml "
-              "--out reports", timeout=600)
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c",
+                           f"{python} -m pytest cases/test_moe.py cases/test_tp.py -rsxX -k '{cells}' "
+                           f"--junitxml=reports/cases.xml && {python} -m harness.report --junit reports/cases.xml "
+                           "--out reports"], cwd=source, env=env, capture_output=True, text=True, timeout=600)
     out = done.stdout
     assert done.returncode == 0, out[-4000:] + done.stderr[-2000:]
     older = f"transformers {OLDER_TRANSFORMERS}"
