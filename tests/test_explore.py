@@ -193,7 +193,9 @@ def test_a_seeded_search_draws_the_same_configs_whatever_literals_the_projects_m
     # hypothesis mixes the literals of the local modules it finds loaded into its integer draws; a
     # seeded search must stay the same search when a module of the project (or of the harness) is edited
     def drawn(project: Path, conftest: str = CONFTEST) -> list[str]:
-        done = explore(project, "tp:ours", "--ignore", "loss", "--seed", "0", "--max-examples", "400",
+        # 150 examples, about 90 new configs: with seeds drawn up to 999, the literals' 1 integer in 20
+        # makes two such searches differ in all but 1 run in 100 (0.95 ** 90)
+        done = explore(project, "tp:ours", "--ignore", "loss", "--seed", "0", "--max-examples", "150",
                        "--database", "none", conftest=conftest)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         return [line.split()[-1] for line in done.stderr.splitlines() if " search trial " in line]
@@ -202,7 +204,7 @@ def test_a_seeded_search_draws_the_same_configs_whatever_literals_the_projects_m
     edited = tmp_path / "edited"
     edited.mkdir()
     (edited / "literals.py").write_text("LIMITS = (100, 127, 1009, 4099, 20011, 65000)\n")
-    assert len(plain) > 200 and drawn(edited, CONFTEST + "import literals  # noqa: F401\n") == plain
+    assert len(plain) > 60 and drawn(edited, CONFTEST + "import literals  # noqa: F401\n") == plain
 
 
 @pytest.mark.slow
