@@ -3,7 +3,7 @@ builds it.
 
 The project (the page's files: ``pytest.ini`` with ``testpaths``, ``tests_parity/conftest.py``
 registering ``tp``/``mine``, ``mypkg/tp_impl.py``) lives in a temporary directory; the harness is
-installed into a virtual environment by the page's own install command, once for the module; every
+installed into a virtual environment by the page's own install command, once for the run; every
 command runs in a subprocess with the user's environment (no PYTHONPATH). The planted bug is the
 user's column-parallel layer with its backward all-reduce forgotten: ``grad/x`` diverges when tp > 1.
 """
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.checkout import copy_checkout, user_env
+from tests.checkout import user_env
 from tests.conftest import flat
 from tests.test_bisect import OUT
-from tests.test_outside_project import IMPLEMENTATIONS, PLACEHOLDER, code_blocks, doc_section, project_files
+from tests.test_outside_project import IMPLEMENTATIONS, code_blocks, doc_section, project_files
 
 pytestmark = pytest.mark.slow
 
@@ -27,16 +27,10 @@ WIDE = "tp-mine-tp4-bf16-op_colshard-b4.f32.h16.s8.v40-seed0"
 
 
 @pytest.fixture(scope="module")
-def python(tmp_path_factory) -> Path:
-    """The interpreter of a virtual environment made by the page's install command (outside any project)."""
-    base = tmp_path_factory.mktemp("installed")
-    source = copy_checkout(base / "paritytest")  # pip builds in the source tree: not this checkout
-    blocks = code_blocks(doc_section(IMPLEMENTATIONS, "Your own implementation"))
-    install = [body for lang, body in blocks if lang == "sh"][0]
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", install.replace(PLACEHOLDER, str(source))], cwd=base,
-                          env=user_env(), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return base / ".venv" / "bin" / "python"
+def python(pages_project) -> Path:
+    """The interpreter of a virtual environment made by the page's install command (in the page's own
+    project, installed once for the run: tests/conftest.py), outside the projects these tests make."""
+    return pages_project / ".venv" / "bin" / "python"
 
 
 def make_project(path: Path, bug: bool = False) -> Path:

@@ -51,31 +51,38 @@ def test_the_readme_blocks_name_a_package_a_conftest_a_test_and_the_commands():
     assert any(PLACEHOLDER in c for c in commands) and any("pytest" in c for c in commands)
 
 
-@pytest.mark.slow
-def test_an_outside_project_runs_its_own_implementation_as_readme_says(tmp_path):
+def install_the_pages_project(base: Path) -> Path:
+    """The page's project at ``base/myproject``, its ``.venv`` made by the page's install command
+    from a copy of this checkout (pip builds in the source tree, which must not be this checkout's)."""
     blocks = code_blocks(doc_section(IMPLEMENTATIONS, "Your own implementation"))
-    project = tmp_path / "myproject"
+    project = base / "myproject"
     for name, text in project_files(blocks).items():
         path = project / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     (project / "mypkg" / "__init__.py").touch()
-    env = user_env()
+    source = copy_checkout(base / "paritytest")
+    install = [body for lang, body in blocks if lang == "sh"][0]
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", install.replace(PLACEHOLDER, str(source))], cwd=project,
+                          env=user_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return project
 
-    # installed from a copy: pip builds in the source tree, which must not be this checkout's
-    source = tmp_path / "paritytest"
-    copy_checkout(source)
+
+@pytest.mark.slow
+def test_an_outside_project_runs_its_own_implementation_as_readme_says(pages_project):
+    """The page's project (installed once for the run: tests/conftest.py's ``pages_project``)."""
+    project = pages_project
 
     def sh(script: str, timeout: float) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", "-euo", "pipefail", "-c", script.replace(PLACEHOLDER, str(source))],
-                              cwd=project, env=env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=project, env=user_env(),
+                              capture_output=True, text=True, timeout=timeout)
 
-    install, run = [body for lang, body in blocks if lang == "sh"]
-    done = sh(install, timeout=900)
-    assert done.returncode == 0, done.stdout + done.stderr
     where = sh('.venv/bin/python -c "import harness; print(harness.__file__)"', timeout=60)
     assert str(project / ".venv") in where.stdout, where.stdout + where.stderr  # installed, not borrowed
 
+    run = [body for lang, body in code_blocks(doc_section(IMPLEMENTATIONS, "Your own implementation"))
+           if lang == "sh"][1]
     first = sh(run, timeout=600)
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
     assert "6 passed" in first.stdout
