@@ -164,6 +164,9 @@ def test_the_fixed_matrix_misses_the_planted_bug(target, rank_pool):
 # about 1950 new configs (tp), spent only when nothing is found. 500 missed tp's bug 1 run in 16 (once
 # in CI), and 600 left seed 0 of ring attention finding its bug at trial 329.
 EXAMPLES = "3000"
+# the seed of each target's search: 0, but for moe, whose seed 0 meets the bug only at trial 240 (175 s
+# of a 2-core machine) where seed 1 meets it at trial 15 (9 s); the examples cover a change of draw
+SEEDS = {"moe:idlefirst": "1"}
 
 
 @pytest.mark.slow  # each runs until it finds and shrinks the bug: a minute or a few
@@ -172,7 +175,7 @@ def test_exploration_finds_and_shrinks_the_planted_bug(tmp_path, target):
     project = tmp_path / "project"
     # seeded: the same draws in every run, so whether the bug is found within the examples does not
     # hang on luck or on the machine's load (the seconds only bound a stuck run)
-    done = explore(project, target, *IGNORE[target], "--seed", "0", "--max-examples", EXAMPLES,
+    done = explore(project, target, *IGNORE[target], "--seed", SEEDS.get(target, "0"), "--max-examples", EXAMPLES,
                    "--max-seconds", "1500", "--shrink-seconds", "60", timeout=2400)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     (found,) = results(project)
