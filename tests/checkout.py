@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # at the top only: golden/ is the cells' golden files, harness/golden/ is code
-TOP_LEVEL = {".git", ".venv", "golden", "build", ".paritytest", ".hypothesis"}
+TOP_LEVEL = {".git", ".venv", "golden", "build", ".paritytest", ".hypothesis", "reports"}
 ANYWHERE = shutil.ignore_patterns("*.egg-info", "__pycache__")
 
 
