@@ -2,14 +2,13 @@
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.checkout import copy_checkout
+from tests.checkout import copy_checkout, venv_over_this_one
 from tests.conftest import flat, line_of
 
 from harness.bisect.shrink import Search
@@ -45,21 +44,6 @@ def bisect(tmp_path, *args, timeout=600, python=sys.executable):
 
 def result(tmp_path):
     return json.loads((tmp_path / "project" / OUT / "result.json").read_text())
-
-
-def venv_in(project: Path) -> Path:
-    """A virtual environment at ``project/.venv`` holding this one's packages, as a user's project
-    holds its own: its interpreter."""
-    venv = project / ".venv"
-    if sys.prefix == sys.base_prefix:  # not in one: a new one that sees this installation's packages
-        subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
-                       check=True)
-    else:  # this one under another name: its configuration, its interpreter and its packages
-        (venv / "bin").mkdir(parents=True)
-        shutil.copy(Path(sys.prefix, "pyvenv.cfg"), venv)
-        (venv / "bin" / "python").symlink_to(sys.executable)
-        (venv / "lib").symlink_to(Path(sys.prefix, "lib"))
-    return venv / "bin" / "python"
 
 
 def test_whole_factors_name_scaling_bugs():
@@ -159,7 +143,7 @@ def test_what_run_prints_fits_the_screen_and_reproduces_where_it_was_typed_and_i
     files are where the docs say, in a directory git ignores, and none is left in the project's root."""
     project = tmp_path / "project"
     project.mkdir()
-    python = venv_in(project)
+    python = venv_over_this_one(project / ".venv")  # the project's own, as a user's holds
     cell = "ringattn-stuck-cp4.tp2-bf16-gqa_on.layout_zigzag.mask_causal-b2.d4.h16.q4.s48-seed0"
     done = bisect(tmp_path, "run", cell, python=python)
     assert done.returncode == 1, done.stdout + done.stderr

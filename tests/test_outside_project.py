@@ -51,6 +51,13 @@ def test_the_readme_blocks_name_a_package_a_conftest_a_test_and_the_commands():
     assert any(PLACEHOLDER in c for c in commands) and any("pytest" in c for c in commands)
 
 
+def pages_commands() -> tuple[str, str]:
+    """The page's two shell blocks: its install command and its run command."""
+    install, run = [body for lang, body in code_blocks(doc_section(IMPLEMENTATIONS, "Your own implementation"))
+                    if lang == "sh"]
+    return install, run
+
+
 def install_the_pages_project(base: Path) -> Path:
     """The page's project at ``base/myproject``, its ``.venv`` made by the page's install command
     from a copy of this checkout (pip builds in the source tree, which must not be this checkout's)."""
@@ -62,7 +69,7 @@ def install_the_pages_project(base: Path) -> Path:
         path.write_text(text)
     (project / "mypkg" / "__init__.py").touch()
     source = copy_checkout(base / "paritytest")
-    install = [body for lang, body in blocks if lang == "sh"][0]
+    install, _ = pages_commands()
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", install.replace(PLACEHOLDER, str(source))], cwd=project,
                           env=user_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -81,8 +88,7 @@ def test_an_outside_project_runs_its_own_implementation_as_readme_says(pages_pro
     where = sh('.venv/bin/python -c "import harness; print(harness.__file__)"', timeout=60)
     assert str(project / ".venv") in where.stdout, where.stdout + where.stderr  # installed, not borrowed
 
-    run = [body for lang, body in code_blocks(doc_section(IMPLEMENTATIONS, "Your own implementation"))
-           if lang == "sh"][1]
+    _, run = pages_commands()
     first = sh(run, timeout=600)
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
     assert "6 passed" in first.stdout
