@@ -3,7 +3,9 @@
 Measures, in one invocation (this machine is shared and noisy, so figures are medians, and the
 speedup is a ratio against the baseline run right here):
 
-* pool start: a fresh pool of 8 ranks, from nothing to every rank joined;
+* pool start: a fresh pool of 8 ranks, from nothing (a new keeper, :class:`harness.pool.kept.ForkServer`)
+  to every rank joined; pool restart: the same pool started again after it was killed (as after a
+  hang), forked from the process's keeper, and its ratio to the start;
 * first case: the TP MLP cell as the first case on each of those fresh pools (what the first cell
   of every pytest worker, and the cell after a hang, costs), beside the warm figure;
 * a cell after a cell of another world size: the TP MLP cell (tp=4) each time right after the same
@@ -40,6 +42,7 @@ import time
 
 from .cell import assemble_result, parity, run_cell
 from .config import Config
+from .pool.kept import fork_server
 from .pool.parent import Pool
 from .resolve import resolve
 from reference.checkpoint import SIZES as CKPT_SIZES
@@ -227,13 +230,18 @@ def main(argv=None) -> dict:
             print(json.dumps(loop))
         return loop
 
-    starts, firsts = [], []
+    starts, firsts, restarts = [], [], []
     for _ in range(args.starts):
+        fork_server().close()  # from nothing: a new keeper imports torch and the preloads
         pool = Pool(size=8)
         t = time.perf_counter()
         pool.start()
         starts.append(time.perf_counter() - t)
         firsts.append(_median_ms(lambda: run_cell(TP_MLP, pool), 1))  # mesh groups, imports: all first
+        pool.kill()  # as after a hang: the next start forks from the process's keeper
+        t = time.perf_counter()
+        pool.start()
+        restarts.append(time.perf_counter() - t)
         pool.close()
     pool = Pool(size=8)
     pool.start()
@@ -264,6 +272,8 @@ def main(argv=None) -> dict:
     clean = clean_start(args.repeats)
     figures = {
         "pool_start_s": round(statistics.median(starts), 3),
+        "pool_restart_s": round(statistics.median(restarts), 3),
+        "restart_over_start": round(statistics.median(restarts) / statistics.median(starts), 3),
         "first_case_ms": round(statistics.median(firsts), 2),
         "empty_case_ms": {k: round(v, 3) for k, v in empty.items()},
         "cell_ms": {name: round(ms, 2) for name, ms in cell_ms.items()},
@@ -281,6 +291,8 @@ def main(argv=None) -> dict:
     }
 
     say(f"pool start (8 ranks)      {figures['pool_start_s']:8.2f} s   median of {args.starts}")
+    say(f"pool restart (8 ranks)    {figures['pool_restart_s']:8.2f} s   median of {args.starts}, "
+        f"{figures['restart_over_start']:.2f}x the start: forked from the process's keeper, after a hang")
     say(f"first TP cell, fresh pool {figures['first_case_ms']:8.2f} ms  median of {args.starts} (warm: below)")
     for world, ms in figures["empty_case_ms"].items():
         say(f"empty case, world {world}       {ms:8.2f} ms  median of {args.repeats}")

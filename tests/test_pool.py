@@ -133,9 +133,13 @@ def test_a_reference_is_computed_once_per_problem_on_a_rank_beside_the_pool(smal
             del _references[key]
 
 
-def test_the_pool_of_one_imports_the_references_and_the_ranks_the_implementations():
-    """The pool of one only computes references: its zygote imports their modules before its fork,
-    not the implementations' (at the start of a run four zygotes import at once on two cores)."""
+def test_the_pools_of_a_process_import_what_its_cells_need_once_and_nothing_else():
+    """The cells' pool and the pool of one fork from one keeper of the process (a fresh one here:
+    this process's earlier pools preloaded every registered component), which imports what both
+    need: the implementations' and the references' modules of the selected cells, not the others'."""
+    from harness.pool.kept import fork_server
+
+    fork_server().close()
     cfgs = [Config("tp", "ours", {"tp": 2}, "fp32", dict(b=2, s=4, h=8, f=8, v=8), {"op": "mlp"})]
     pool = Pool(size=2, preload=default_preload(cfgs), alone_preload=reference_preload(cfgs))
     modules = ["harness.parallel.tp", "harness.parallel.tp_megatron", "reference.moe", "reference.tp"]
@@ -143,7 +147,11 @@ def test_the_pool_of_one_imports_the_references_and_the_ranks_the_implementation
         pool.start(alone=True)
         assert pool.run("tests.faults:imported", modules, (("tp", 2),)) == {r: ["harness.parallel.tp", "reference.tp"]
                                                                             for r in (0, 1)}
-        assert pool.alone("tests.faults:imported", modules, (("tp", 1),)) == ["reference.tp"]
+        assert pool.alone("tests.faults:imported", modules, (("tp", 1),)) == ["harness.parallel.tp", "reference.tp"]
+        keeper = fork_server()._proc.pid
+        pool.kill()  # as after a hang: the next start forks from the same keeper
+        assert pool.run("tests.faults:imported", modules, (("tp", 2),))[1] == ["harness.parallel.tp", "reference.tp"]
+        assert fork_server()._proc.pid == keeper and pool.starts == 2
     finally:
         pool.close()
 

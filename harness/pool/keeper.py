@@ -2,7 +2,9 @@
 outlives one pytest run, listening on its Unix socket, and each run's zygote it forks.
 
 Started by the client as ``python -c "from harness.pool.keeper import keeper_main; keeper_main()"``
-with its spec (``path``, ``idle``, ``preload``) as JSON in ``argv[1]``.
+with its spec (``path``, ``idle``, ``preload``) as JSON in ``argv[1]``; a process's own keeper
+(:class:`harness.pool.kept.ForkServer`, :class:`OwnKeeper`) with ``control`` (its end of the
+channel, a descriptor), ``parent`` and ``own`` (its fingerprint, the parent's) instead of ``path``.
 """
 from __future__ import annotations
 
@@ -16,15 +18,21 @@ import socket
 import sys
 import time
 
-from .kept import fingerprint, receive, send
+from .kept import fingerprint, receive, receive_record, send
 
 
 def keeper_main() -> None:
     spec = json.loads(sys.argv[1])
-    keeper = Keeper(spec["path"], float(spec["idle"]))
+    if "control" in spec:
+        keeper = OwnKeeper(spec["control"], spec["own"])
+    else:
+        keeper = Keeper(spec["path"], float(spec["idle"]))
     signal.signal(signal.SIGTERM, keeper.stop_all)
     signal.signal(signal.SIGINT, keeper.stop_all)
-    from .rank import import_torch, preload, warm_up
+    from .rank import die_with_parent, import_torch, preload, warm_up
+
+    if "parent" in spec:
+        die_with_parent(spec["parent"], signal.SIGTERM, keeper.stop_all)
 
     import_torch()
     preload(spec["preload"])
@@ -113,6 +121,10 @@ class Keeper:
         if self.children:
             self.last = time.monotonic()
 
+    def _requests(self) -> socket.socket:
+        """The socket requests come on (closed in each run zygote)."""
+        return self.listener
+
     def _answer(self, conn: socket.socket, message: dict, fds: list[int]) -> None:
         """One request: ``status``, ``stop``, or a run (refused as stale by a keeper whose
         fingerprint differs from the client's, which then exits)."""
@@ -142,11 +154,12 @@ class Keeper:
     def _fork_run(self, conn: socket.socket, message: dict, fds: list[int]) -> None:
         from .rank import preload
 
-        self.idle = float(message.get("idle", self.idle))
+        if message.get("idle") is not None:
+            self.idle = float(message["idle"])
         preload(message.get("preload_kept", ()))  # third-party, kept for the next runs too
         pid = os.fork()
         if pid == 0:
-            self.listener.close()
+            self._requests().close()
             try:
                 run_zygote(conn, message, fds)
             finally:
@@ -159,6 +172,39 @@ class Keeper:
             send(conn, {"pid": pid})
         conn.close()
         self.last = time.monotonic()
+
+
+class OwnKeeper(Keeper):
+    """A process's own keeper (:class:`harness.pool.kept.ForkServer`): requests come as records on
+    its end of a socket pair, each with the run's connection among its descriptors; it serves until
+    that channel closes (its process is done with it, or died), never ends for idleness, and has no
+    file of its own."""
+
+    def __init__(self, control: int, own: str):
+        self.control = socket.socket(fileno=control)
+        self.own, self.idle = own, None
+        self.children: set[int] = set()
+        self.runs = 0
+        self.last = time.monotonic()
+
+    def _requests(self) -> socket.socket:
+        return self.control
+
+    def finish(self, code: int = 0, lock: bool = True) -> None:
+        self.control.close()
+        os._exit(code)
+
+    def serve(self) -> None:
+        while True:
+            self._reap()
+            if not select.select([self.control], [], [], 1.0)[0]:
+                continue
+            try:
+                message, fds = receive_record(self.control)
+            except (OSError, EOFError, ValueError):
+                self.stop_all()  # its process closed the channel, or is gone
+            *fds, conn = fds
+            self._answer(socket.socket(fileno=conn), message, fds)
 
 
 def _idle_exit(base: str, listener: socket.socket) -> bool:

@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import select
+import signal
 import socket
 import stat
 import struct
@@ -212,6 +213,25 @@ def receive(sock: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(body), list(fds)
 
 
+RECORD_MAX = 1 << 22  # a request holds the run's environment and sys.path: well under this
+
+
+def send_record(sock: socket.socket, message: dict, fds=()) -> None:
+    """One message as one record of a ``SOCK_SEQPACKET`` socket (a process's own keeper's channel),
+    with its descriptors: records keep their bounds, so requests sent back to back stay apart."""
+    socket.send_fds(sock, [json.dumps(message).encode()], list(fds))
+
+
+def receive_record(sock: socket.socket) -> tuple[dict, list[int]]:
+    """The next record of :func:`send_record`; EOFError when the other end is closed."""
+    data, fds, _, _ = socket.recv_fds(sock, RECORD_MAX, MAX_FDS)
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        raise EOFError("channel closed")
+    return json.loads(data), list(fds)
+
+
 def _exactly(sock: socket.socket, n: int) -> bytes:
     out = b""
     while len(out) < n:
@@ -347,17 +367,36 @@ def stop(root: str | None = None, all_workers: bool = True) -> list[str]:
 
 
 class Remote:
-    """A run zygote forked by a keeper, as :class:`harness.pool.parent.Pool` uses a ``Popen``:
-    ``pid``, ``stdout`` (the status pipe), ``poll`` and ``wait`` (it is gone once its end of the
-    connection is closed)."""
+    """A run zygote forked by a keeper, as :class:`harness.pool.parent.Pool` uses a process:
+    ``pid``, ``stdout`` (the status pipe), ``poll``, ``wait``, ``terminate`` and ``kill_group`` (it is
+    gone once its end of the connection is closed). ``pid`` None: the keeper's reply, which names
+    it, is read on first need, so that asking does not wait for the keeper's imports."""
 
-    def __init__(self, pid: int, sock: socket.socket, status_fd: int):
-        self.pid, self.sock = pid, sock
+    def __init__(self, pid: int | None, sock: socket.socket, status_fd: int):
+        self._pid, self.sock = pid, sock
         self.stdout = os.fdopen(status_fd, "rb", buffering=0)
         self.returncode: int | None = None
 
+    @property
+    def pid(self) -> int | None:
+        """The run zygote's pid; None when the keeper ended before it answered."""
+        if self._pid is None and self.returncode is None:
+            self.sock.settimeout(CONNECT_TIMEOUT)
+            try:
+                self._pid = int(receive(self.sock)[0]["pid"])
+            except (OSError, EOFError, ValueError, KeyError, struct.error):
+                self.returncode = -1
+            finally:
+                with contextlib.suppress(OSError):
+                    self.sock.settimeout(None)
+        return self._pid
+
     def poll(self) -> int | None:
         if self.returncode is None and select.select([self.sock], [], [], 0)[0]:
+            if self._pid is None:  # the reply first: unread, it would hide the end of the connection
+                self.pid
+                if self.returncode is not None or not select.select([self.sock], [], [], 0)[0]:
+                    return self.returncode
             try:
                 gone = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
             except BlockingIOError:
@@ -377,5 +416,107 @@ class Remote:
             select.select([self.sock], [], [], min(0.5, left) if left is not None else 0.5)
         return self.returncode
 
+    def terminate(self) -> None:
+        """SIGTERM: the run zygote ends its ranks and removes the pool's directory."""
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+
+    def kill_group(self) -> None:
+        """SIGKILL to the run zygote and its ranks at once (one process group)."""
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+
     def close(self) -> None:
+        self.stdout.close()
         self.sock.close()
+
+
+class ForkServer:
+    """This process's own keeper, for the pools that are not kept: the cells' pool, the pool of one
+    beside it and every pool started again after a hang fork their run zygotes from one process
+    that imported torch and the third-party modules once, instead of each importing them anew
+    (seconds of CPU each, on every pytest process). Started on first use, it is reached through a
+    socket pair, not a path: nothing on disk, nobody else can connect, and it ends when this
+    process closes its end or dies, however."""
+
+    def __init__(self):
+        self._proc: subprocess.Popen | None = None
+        self._control: socket.socket | None = None
+        self._log = None  # the keeper's stderr: an unnamed temporary file
+        self._own = ""
+
+    def request(self, kept_preload: list[str], message: dict, fds) -> socket.socket:
+        """Send a run's request (and its descriptors) without waiting for the keeper's imports: the
+        run's connection, which the run zygote holds, with the reply (its pid) still to be read
+        (:class:`Remote`). A keeper found gone is started again."""
+        for _ in range(2):
+            if self._proc is None or self._proc.poll() is not None:
+                self._start(kept_preload)
+            ours, theirs = socket.socketpair()
+            try:
+                send_record(self._control, dict(message, op="run", fingerprint=self._own, preload_kept=kept_preload,
+                                                idle=None), [*fds, theirs.fileno()])
+            except OSError:
+                ours.close()
+                self.close()
+                continue
+            finally:
+                theirs.close()
+            return ours
+        raise KeptPoolError(f"this process's keeper did not take the run: {self.log()}")
+
+    def _start(self, preload: list[str]) -> None:
+        """A new keeper, importing ``preload`` before it serves."""
+        self.close()
+        self._control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._own = fingerprint()
+        self._log = tempfile.TemporaryFile()
+        spec = {"control": theirs.fileno(), "idle": None, "preload": preload, "parent": os.getpid(), "own": self._own}
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", "from harness.pool.keeper import keeper_main; keeper_main()", json.dumps(spec)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log, start_new_session=True,
+                env=env, cwd="/", pass_fds=[theirs.fileno()])
+        finally:
+            theirs.close()
+
+    def log(self) -> str:
+        """The last lines the keeper wrote."""
+        if self._log is None:
+            return "(no keeper)"
+        self._log.seek(0)
+        return "\n".join(self._log.read().decode(errors="replace").splitlines()[-20:]) or "(its log is empty)"
+
+    def close(self, grace: float = 10.0) -> None:
+        """End the keeper (it ends its run zygotes and their ranks) and wait for it."""
+        if self._control is not None:
+            self._control.close()  # its end of the channel: the keeper stops
+            self._control = None
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+            self._proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+_fork_server: ForkServer | None = None
+
+
+def fork_server() -> ForkServer:
+    """This process's :class:`ForkServer`, made on first use and closed at exit."""
+    global _fork_server
+    if _fork_server is None:
+        import atexit
+
+        _fork_server = ForkServer()
+        atexit.register(_fork_server.close)
+    return _fork_server

@@ -1,7 +1,8 @@
 """Parent side of the warm pool of ranks.
 
 One pool per pytest process, started on first use and reused by every case: ranks are forked from
-a zygote that imported torch once, connected once over one process group (rendezvous through a
+a zygote, itself forked from a keeper that imported torch once for every pool of the process (the
+pool of one beside it, a pool started again after a hang), connected once over one process group (rendezvous through a
 TCPStore on a port the OS picks, hosted by the zygote, so parallel pytest workers never collide), and sent one task at a
 time. Each task runs under a deadline. When it passes, or a rank raises or dies, every rank's
 outcome is reported (tracebacks; Python stacks of the stuck ones, gathered with faulthandler); a
@@ -10,7 +11,6 @@ pool with stuck or dead ranks is killed and the next task starts a fresh one.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import os
 import pickle
@@ -233,7 +233,7 @@ class Pool:
         self.preload = preload  # None: default_preload() at each launch, so late registrations count
         self.alone_preload = alone_preload
         self.keep, self.root = keep, root
-        self._proc: subprocess.Popen | None = None
+        self._proc = None  # the zygote: a keeper's run zygote (kept.Remote)
         self._conns: list[Connection] = []
         self._pids: dict[int, int] = {}
         self._exits: dict[int, int] = {}
@@ -259,43 +259,33 @@ class Pool:
     def pids(self) -> list[int]:
         """Process ids of the zygote and the ranks, and of the pool of one beside it (empty when not
         started)."""
-        return (([self._proc.pid] if self._proc else []) + list(self._pids.values())
+        return (([self._proc.pid] if self._proc and self._proc.pid else []) + list(self._pids.values())
                 + (self._alone.pids if self._alone else []))
 
     def launch(self, alone: bool = False) -> None:
-        """Start the zygote without waiting for it: its torch import overlaps the caller's work.
-        ``alone``: the pool of one beside it too (:meth:`alone`), its imports overlapping as well."""
+        """Start the zygote without waiting for it: the keeper's imports overlap the caller's work.
+        ``alone``: the pool of one beside it too (:meth:`alone`), asked for second, so that its
+        zygote forks once the keeper has imported what both need."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._launch()
         if alone:
             self._beside().launch()
-        if self._proc is not None and self._proc.poll() is None:
-            return
+
+    def _launch(self) -> None:
         self.kill()
         pooldir.sweep()  # what pools killed together with their zygotes and ranks left behind
         self._tmp, self._hold = pooldir.create()
         pairs = [socket.socketpair() for _ in range(self.size)]
         child_fds = [child.fileno() for _, child in pairs]
         preload = list(default_preload() if self.preload is None else self.preload)
-        if self.keep > 0:
-            try:
-                self._proc = self._launch_kept(child_fds, preload)
-            except PoolError:
-                for pair in pairs:
-                    for end in pair:
-                        end.close()
-                self.kill()  # its directory and hold
-                raise
-        else:
-            for fd in child_fds:
-                os.set_inheritable(fd, True)
-            spec = {"parent": os.getpid(), "fds": child_fds, "backend": self.backend, "tmp": self._tmp,
-                    "preload": preload}
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
-            with open(os.path.join(self._tmp, "zygote.log"), "wb") as err:
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-c", "from harness.pool.rank import zygote_main; zygote_main()", json.dumps(spec)],
-                    pass_fds=child_fds, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
-                    start_new_session=True, env=env,
-                )
+        try:
+            self._proc = self._launch_from_keeper(child_fds, preload)
+        except PoolError:
+            for pair in pairs:
+                for end in pair:
+                    end.close()
+            self.kill()  # its directory and hold
+            raise
         self.starts += 1
         self._ready = False
         for _, child in pairs:
@@ -305,31 +295,38 @@ class Pool:
         self._built: set[tuple] = set()  # (mesh, extra meshes) whose groups every rank has built
         self._world = (0, 0)  # (size, generation) of the ranks' world: none yet
 
-    def _launch_kept(self, child_fds: list[int], preload: list[str]):
-        """Ask this checkout's kept zygote (started if there is none, or a stale one) to fork the
-        ranks: it imported torch and third-party modules once; the project's modules are imported
-        in the run's own zygote, after the keeper's fork."""
+    def _launch_from_keeper(self, child_fds: list[int], preload: list[str]):
+        """Ask a keeper to fork this pool's zygote: this checkout's kept one (``keep``; started if
+        there is none, or a stale one), else this process's own (:class:`.kept.ForkServer`). Either
+        imported torch and the third-party modules once; the project's modules are imported in the
+        run's own zygote, after the keeper's fork. The kept one answers at once; this process's own
+        answers once it has imported, read when first needed, so those imports overlap the caller's
+        work."""
         from . import kept
 
         kept_preload, per_run = kept.split_preload(preload)
         status_read, status_write = os.pipe()
         message = {"backend": self.backend, "tmp": self._tmp, "preload": per_run, "cwd": os.getcwd(),
                    "env": dict(os.environ, OMP_NUM_THREADS="1"), "path": [p for p in sys.path if p]}
+        fds = [*child_fds, status_write]
         try:
-            sock, reply = kept.request(self.root or os.getcwd(), self.keep, kept_preload, message,
-                                       [*child_fds, status_write])
+            if self.keep > 0:
+                sock, reply = kept.request(self.root or os.getcwd(), self.keep, kept_preload, message, fds)
+                pid = reply["pid"]
+            else:
+                sock, pid = kept.fork_server().request(kept_preload, message, fds), None
         except (kept.KeptPoolError, OSError) as error:
             os.close(status_read)
-            raise PoolError(f"kept pool: {error}") from None
+            raise PoolError(f"{'kept pool' if self.keep > 0 else 'pool'}: {error}") from None
         finally:
             os.close(status_write)
-        return kept.Remote(reply["pid"], sock, status_read)
+        return kept.Remote(pid, sock, status_read)
 
     def start(self, alone: bool = False) -> None:
         """Launch if needed and wait until every rank has joined the process group; ``alone``: the
         pool of one beside it (:meth:`alone`) too, the two starting together."""
         if alone:
-            self._beside().launch()
+            self.launch(alone=True)  # both asked for before either is waited for
         if not (self.alive and self._ready):
             self._start()
         if alone:
@@ -362,6 +359,10 @@ class Pool:
     def _fail_start(self, why: str) -> None:
         logs = self._logs(range(self.size), tail=20)
         zygote = self._read(os.path.join(self._tmp, "zygote.log"))[-3000:] if self._tmp else ""
+        if self.keep <= 0 and self._proc is not None and self._proc.poll() is not None:
+            from . import kept
+
+            zygote += f"\nthis process's keeper: {kept.fork_server().log()}\n"
         self.kill()
         raise PoolError(f"pool of {self.size} ranks failed to start: {why}\n{zygote}{logs}")
 
@@ -369,19 +370,13 @@ class Pool:
         """Kill the zygote and every rank, and clean up. The zygote does it on SIGTERM (see
         ``leave`` in :mod:`.rank`), so the directory goes even if this process dies meanwhile."""
         if self._proc is not None:
+            self._proc.terminate()
             try:
-                os.kill(self._proc.pid, signal.SIGTERM)
                 self._proc.wait(timeout=STOP_GRACE)
-            except ProcessLookupError:
-                pass
             except subprocess.TimeoutExpired:  # stuck outside Python: the whole group at once
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(self._proc.pid, signal.SIGKILL)
-            self._proc.wait()
-            if self._proc.stdout:
-                self._proc.stdout.close()
-            if hasattr(self._proc, "sock"):  # a kept pool's run zygote
-                self._proc.close()
+                self._proc.kill_group()
+                self._proc.wait()
+            self._proc.close()
             self._proc = None
         for conn in self._conns:
             conn.close()

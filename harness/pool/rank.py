@@ -1,7 +1,8 @@
 """Child side of the warm pool.
 
-The zygote imports torch once and forks every rank from that warm image (spawning a fresh Python
-per rank costs ~2 s of imports each on this machine). Every rank then serves tasks from its socket
+A pool's zygote is forked by a keeper (:mod:`harness.pool.keeper`) that imported torch once, and
+forks every rank from that warm image (spawning a fresh Python per rank costs ~2 s of imports each
+on this machine). Every rank then serves tasks from its socket
 until told to stop or until its parent disappears, each task in a world of the task's own size
 (:mod:`harness.world`): the default group over the task's first ranks.
 """
@@ -143,18 +144,6 @@ def preload(modules) -> None:
             importlib.import_module(module)
         except Exception:  # noqa: BLE001  a rank that needs it reports the error with the case
             pass
-
-
-def zygote_main() -> None:
-    spec = json.loads(sys.argv[1])
-    pooldir.hold(spec["tmp"])  # held until this process and every rank it forks are gone
-    zygote = Zygote(spec)
-    signal.signal(signal.SIGTERM, zygote.leave)
-    die_with_parent(spec["parent"], signal.SIGTERM, zygote.leave)
-    import_torch()
-    preload(spec["preload"])
-    warm_up()
-    zygote.serve()
 
 
 def warm_up() -> None:
