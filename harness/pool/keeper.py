@@ -58,6 +58,10 @@ class Keeper:
         self.listener.listen(64)
         self.inode = os.stat(path).st_ino
         self.base = path[:-len(".sock")]
+        self._start_counting()
+
+    def _start_counting(self) -> None:
+        """No run zygote yet, the idle clock at zero."""
         self.children: set[int] = set()
         self.runs = 0
         self.last = time.monotonic()
@@ -183,9 +187,7 @@ class OwnKeeper(Keeper):
     def __init__(self, control: int, own: str):
         self.control = socket.socket(fileno=control)
         self.own, self.idle = own, None
-        self.children: set[int] = set()
-        self.runs = 0
-        self.last = time.monotonic()
+        self._start_counting()
 
     def _requests(self) -> socket.socket:
         return self.control

@@ -273,15 +273,20 @@ def _connect(path: str) -> socket.socket | None:
     return sock
 
 
+def spawn_keeper(spec: dict, stderr, pass_fds=()) -> subprocess.Popen:
+    """A keeper process (:func:`harness.pool.keeper.keeper_main`) with ``spec``, in a session of its
+    own, seeing this process's ``sys.path``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
+    return subprocess.Popen(
+        [sys.executable, "-c", "from harness.pool.keeper import keeper_main; keeper_main()", json.dumps(spec)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True, env=env,
+        cwd="/", pass_fds=pass_fds)
+
+
 def _start(path: str, idle: float, preload: list[str]) -> socket.socket:
     """Start a keeper at ``path`` and return a connection to it."""
-    spec = {"path": path, "idle": idle, "preload": preload}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
     with open(path[:-len(".sock")] + ".log", "ab") as log:
-        _started.append(subprocess.Popen(
-            [sys.executable, "-c", "from harness.pool.keeper import keeper_main; keeper_main()", json.dumps(spec)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
-            env=env, cwd="/"))
+        _started.append(spawn_keeper({"path": path, "idle": idle, "preload": preload}, log))
     end = time.monotonic() + 60
     # it listens before it imports anything; its socket file exists from bind, a moment before it
     # listens, and a connection in that moment is refused: wait for one that is taken
@@ -474,12 +479,8 @@ class ForkServer:
         self._own = fingerprint()
         self._log = tempfile.TemporaryFile()
         spec = {"control": theirs.fileno(), "idle": None, "preload": preload, "parent": os.getpid(), "own": self._own}
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
         try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-c", "from harness.pool.keeper import keeper_main; keeper_main()", json.dumps(spec)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log, start_new_session=True,
-                env=env, cwd="/", pass_fds=[theirs.fileno()])
+            self._proc = spawn_keeper(spec, self._log, pass_fds=[theirs.fileno()])
         finally:
             theirs.close()
 
