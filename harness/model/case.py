@@ -23,6 +23,7 @@ from ..parallel.optim import ShardwiseAdamW
 ADAMW = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-3, weight_decay=0.01)
 
 MIXED_PRECISION = ("autocast", "bf16", "params")
+LOSS_REDUCTIONS = ("mean", "sum")
 # the switches every model cell may take: the expert mesh and the reshard round trip (plan.py)
 MESH_SWITCHES = ("ep", "etp", "reshard")
 
@@ -84,7 +85,13 @@ class ModelCase:
       dim over ``cp``; the global batch size must divide evenly.
     * ``loss(output, batch)``: the scalar loss of ``batch`` as one process computes it, a mean over
       its rows/tokens (each rank computes it on its own slice; the harness averages over the ranks
-      that hold different data, which is what data-parallel gradient averaging assumes).
+      that hold different data, which is what data-parallel gradient averaging assumes), or, with
+      ``loss_reduction="sum"``, each rank's share of it.
+    * ``loss_reduction``: how the ranks' losses make the global one. ``"mean"`` (default): each rank's
+      loss is the mean over its own slice, the global loss their mean (gradients averaged over the
+      data ranks). ``"sum"``: each rank's loss is its share of the global mean, its own sum over the
+      global token count, as torchtitan's trainer computes it with FSDP's gradient division off; the
+      global loss is their sum (a DTensor loss counts by its local value, its rank's share).
     * ``parallelize``: implementation name -> ``fn(model, meshes) -> nn.Module | Pipelined``, the
       function you train with, given :class:`harness.meshes.Meshes` (``meshes.dense["tp"]``,
       ``meshes.mesh("fsdp")``, ...). It may return the module it was given, changed in place.
@@ -142,6 +149,7 @@ class ModelCase:
     seq_dim: int | None = None
     placements: dict[str, dict[str, Any]] = field(default_factory=dict)
     reduction: int | None = None
+    loss_reduction: str = "mean"
     mixed_precision: str = "autocast"
     supports: dict[str, Callable[[Any], str | None]] = field(default_factory=dict)
     xfail: dict[str, Callable[[Any], str | None]] = field(default_factory=dict)
@@ -157,6 +165,9 @@ class ModelCase:
             if not re.fullmatch(r"[a-z0-9]+", name):
                 raise ValueError(f"ModelCase.parallelize name {name!r} must be lowercase letters and digits "
                                  "(it is part of the cell id)")
+        if self.loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"ModelCase.loss_reduction={self.loss_reduction!r}: choose one of {LOSS_REDUCTIONS} "
+                             "('sum': each rank's loss is its share of the global loss)")
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"ModelCase.mixed_precision={self.mixed_precision!r}: choose one of {MIXED_PRECISION}")
         if self.steps < 1:

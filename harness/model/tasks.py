@@ -97,10 +97,13 @@ def _recorder(trainer: OnRank, case: ModelCase, cfg: Config) -> Recorder:
     whole = start_model(case, cfg)
     shapes = logical_shapes(whole, lambda: case.forward(whole, global_batch(case, 0)))
     s = trainer.spec
+    # a rank's gradient of an activation, as the reference's: a mean over its own slice weighs each row
+    # data-ranks times the global mean's weight; a share of the global loss already weighs it as that does
+    grad_scale = 1.0 if trainer.shares else 1.0 / (s.rep * s.dp * s.cp)
 
     # a pipeline's modules run once per microbatch: the recorder joins a step's calls in their order
     return Recorder(trainer.modules, lambda t, module, name: activation(
-        t, trainer.degrees, batch_dims, shapes.get((module, name)), trainer.ours), grad_scale=1.0 / (s.rep * s.dp * s.cp),
+        t, trainer.degrees, batch_dims, shapes.get((module, name)), trainer.ours), grad_scale=grad_scale,
         microbatches=trainer.pipelined is not None)
 
 

@@ -61,10 +61,13 @@ def computed_in(model: nn.Module, dtype: torch.dtype):
                 p.grad = p.grad.to(data.dtype)
 
 
-def scalar(loss: torch.Tensor) -> torch.Tensor:
-    """A loss as a plain fp64 scalar (a replicated DTensor from loss_parallel included)."""
+def scalar(loss: torch.Tensor, share: bool = False) -> torch.Tensor:
+    """A loss as a plain fp64 scalar (a replicated DTensor from loss_parallel included); ``share``:
+    a DTensor's local value, this rank's share of a loss the ranks sum."""
     loss = loss.detach()
-    return (loss.full_tensor() if isinstance(loss, DTensor) else loss).double().reshape(())
+    if isinstance(loss, DTensor):
+        loss = loss.to_local() if share else loss.full_tensor()
+    return loss.double().reshape(())
 
 
 def aliases(model: nn.Module) -> dict[str, str]:
@@ -255,9 +258,14 @@ class OnRank(Trainer):
 
     def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         loss = self._pipeline_step(batch) if self.pipelined else self._local_step(batch)
-        group = self.meshes.group("loss")  # each rank's loss is a mean over its own tokens
+        group = self.meshes.group("loss")  # the ranks that hold different data
         dist.all_reduce(loss, group=group)
-        return loss / dist.get_world_size(group)
+        return loss if self.shares else loss / dist.get_world_size(group)
+
+    @property
+    def shares(self) -> bool:
+        """Each rank's loss is its share of the global loss (``ModelCase.loss_reduction="sum"``)."""
+        return self.case.loss_reduction == "sum"
 
     def _local_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with autocast(self.case, self.cfg, self.ctx.device):
@@ -268,7 +276,7 @@ class OnRank(Trainer):
             with autocast(self.case, self.cfg, self.ctx.device):
                 loss = self.case.loss(output, batch)
             loss.backward()
-        return scalar(loss)
+        return scalar(loss, self.shares)
 
     def _pipeline_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         p = self.pipelined
@@ -278,7 +286,11 @@ class OnRank(Trainer):
         args = (batch[p.input],) if first else ()
         with autocast(self.case, self.cfg, self.ctx.device):
             p.schedule.step(*args, target=batch[p.target] if last else None, losses=losses if last else None)
-        loss = torch.stack([scalar(x) for x in losses]).mean() if last else torch.zeros((), dtype=torch.float64)
+        if last:
+            each = torch.stack([scalar(x, self.shares) for x in losses])
+            loss = each.sum() if self.shares else each.mean()  # shares of the microbatches, or their means
+        else:
+            loss = torch.zeros((), dtype=torch.float64)
         dist.all_reduce(loss, group=self.meshes.group("pp"))  # the last stage's, on every stage
         return loss
 
