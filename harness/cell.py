@@ -76,7 +76,7 @@ def run_pieces(cell: Cell, pool, scratch: str | None = None) -> dict[int, dict] 
     """
     cfg = cell.cfg
     return pool.run(cell.impl.run, cfg, cfg.mesh, seed=cfg.seed, label=cfg.id, extra_meshes=cell.meshes,
-                    deadline=cell.deadline(pool), scratch=scratch)
+                    deadline=cell.deadline(pool), scratch=scratch, fresh=cell.component.fresh)
 
 
 def outcome_of(cell: Cell, pieces: dict[int, dict], pool=None) -> CellOutcome:

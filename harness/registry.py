@@ -134,6 +134,9 @@ class Component:
     # library, which its case module imports inside functions so that collecting its cells and
     # resolving them in the pytest process stay cheap): the pools import them before they fork
     preload: tuple[str, ...] = ()
+    # its every task on ranks no task ran on (the pool replaces them first): for libraries that keep
+    # state across builds in a process, which the clean-start check cannot see or put back
+    fresh: bool = False
 
     def switch_values(self) -> dict[str, tuple[str, ...]]:
         """Every value of every switch exploration draws: ``simplest``'s order where it gives one,

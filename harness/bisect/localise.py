@@ -385,7 +385,8 @@ def localise(cfg: Config | Cell, pool: Pool, complete: bool = False) -> Localisa
     calibrated = _calibrated_events(cell, pool)
     # the cell's own deadline (a model's deadline_factor): recording costs more than the cell, not less
     per_rank = pool.run("harness.bisect.localise:recorded_run", (cell.impl.run, cfg), cfg.mesh, seed=cfg.seed,
-                        label=f"{cfg.id} (recording events)", extra_meshes=cell.meshes, deadline=cell.deadline(pool))
+                        label=f"{cfg.id} (recording events)", extra_meshes=cell.meshes, deadline=cell.deadline(pool),
+                        fresh=cell.component.fresh)
     layout = MeshLayout.of(cfg.mesh)
     partial_results: dict[str, str] = {}
     scaled_results: dict[str, str] = {}

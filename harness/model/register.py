@@ -22,10 +22,11 @@ TASKS = "harness.model.tasks"
 
 
 def model_component(name: str, case: str, impls: Iterable[str], deadline_factor: float = 1.0,
-                    skip: str | None = None, preload: Iterable[str] = ()) -> Component:
+                    skip: str | None = None, preload: Iterable[str] = (), fresh: bool = False) -> Component:
     """The Component of model ``name``: the :class:`ModelCase` at ``case`` (``"mypkg.cases:CASE"``)
     with implementations ``impls`` (its ``parallelize`` names), each skipped where ``skip`` says;
-    the pools import the modules ``preload`` names before they fork."""
+    the pools import the modules ``preload`` names before they fork; ``fresh``: each of its tasks
+    runs on ranks no task ran on (:attr:`harness.registry.Component.fresh`)."""
 
     def task(entry: str) -> str:
         return f"{TASKS}:{entry}[{case}]"
@@ -48,6 +49,7 @@ def model_component(name: str, case: str, impls: Iterable[str], deadline_factor:
         deadline_factor=deadline_factor,
         case=case,
         preload=preload,
+        fresh=fresh,
         implementations={impl: Implementation(impl, task("run"), skip=skip, xfail=task("xfail"),
                                               validate=task("check_impl"))
                          for impl in impls},
@@ -55,7 +57,7 @@ def model_component(name: str, case: str, impls: Iterable[str], deadline_factor:
 
 
 def register_model(name: str, case: str, impls: Iterable[str] | None = None,
-                   deadline_factor: float = 1.0, preload: Iterable[str] = ()) -> Component:
+                   deadline_factor: float = 1.0, preload: Iterable[str] = (), fresh: bool = False) -> Component:
     """Register the :class:`ModelCase` at ``case`` (``"mypkg.cases:CASE"``, importable on the ranks)
     as model ``name``; its cells are ``model_cells(name, ...)``, ids ``<name>-<impl>-<mesh>-...``.
 
@@ -63,7 +65,9 @@ def register_model(name: str, case: str, impls: Iterable[str] | None = None,
     ``deadline_factor``: its cells may run that many times ``--case-deadline``. ``preload``: modules
     its ranks import that its case module imports only inside functions (a library that takes
     seconds to import, kept out of the pytest process): the pools import them once, before they
-    fork their ranks, instead of every rank importing them in its first cell."""
+    fork their ranks, instead of every rank importing them in its first cell. ``fresh``: each of its
+    cells runs on rank processes no cell ran in (the pool replaces them first: about 2 s a cell), for
+    a library that keeps state across builds in a process, which the harness cannot see or put back."""
     try:
         taken = get(name)
     except ConfigError:  # the name is free
@@ -78,7 +82,7 @@ def register_model(name: str, case: str, impls: Iterable[str] | None = None,
             raise TypeError(f"register_model({name!r}, case={case!r}): {case} is a {type(found).__name__}, "
                             "not a harness.model.ModelCase")
         impls = list(found.parallelize)
-    return register_component(model_component(name, case, impls, deadline_factor, preload=preload))
+    return register_component(model_component(name, case, impls, deadline_factor, preload=preload, fresh=fresh))
 
 
 def case_of(name: str) -> ModelCase:

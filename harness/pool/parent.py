@@ -247,6 +247,7 @@ class Pool:
         self._world = (0, 0)
         self._alone: Pool | None = None  # the rank of one beside this pool (:meth:`alone`)
         self._unfit: str | None = None  # the scratch of the cell that left the ranks unfit for another
+        self._served = False
         self.starts = 0  # how many times a pool was started (tests check restarts)
         atexit.register(self.close)
 
@@ -287,6 +288,7 @@ class Pool:
             self.kill()  # its directory and hold
             raise
         self.starts += 1
+        self._served = False  # whether these ranks ran a task (fresh tasks want ranks that did not)
         self._ready = False
         for _, child in pairs:
             child.close()
@@ -399,8 +401,8 @@ class Pool:
 
     # ---- running a task ----------------------------------------------------------------
     def run(self, fn: str, payload: Any, mesh: tuple[tuple[str, int], ...], *, seed: int = 0,
-            deadline: float | None = None, label: str = "", extra_meshes=(), scratch: str | None = None
-            ) -> dict[int, Any]:
+            deadline: float | None = None, label: str = "", extra_meshes=(), scratch: str | None = None,
+            fresh: bool = False) -> dict[int, Any]:
         """Run ``fn(ctx, payload)`` (an import path, ``"module:function"``) on every rank of ``mesh``.
 
         ``extra_meshes``: further meshes (over the first ranks of the pool: dims tuples, MeshLayouts
@@ -413,13 +415,16 @@ class Pool:
         ``scratch``: the directory the task's ranks share (``ctx.scratch``), empty; by default one of
         the pool's own, removed after the task.
 
+        ``fresh``: on ranks no task ran on (ranks that served one are replaced first), for code whose
+        libraries keep state across builds that the clean-start check cannot see.
+
         Returns each mesh rank's return value. Raises :class:`CaseFailure` when any rank raises,
         dies or is still running at the deadline, with every rank's outcome.
         """
         mesh, extra, size = fitting(mesh, extra_meshes, self.size, "the pool has {size}: run with --pool-size {need}")
         world = mesh.world
-        if self._unfit is not None and (scratch is None or scratch != self._unfit):
-            self.kill()  # a cell before this one left its ranks unfit: this one starts on fresh ones
+        if (self._unfit is not None and (scratch is None or scratch != self._unfit)) or (fresh and self._served):
+            self.kill()  # a cell before this one left its ranks unfit, or this one asks for new ones
         self.start()
         if self._world[0] != size:  # a world of another size: a new default group, new meshes
             self._world = (size, self._world[1] + 1)
@@ -469,6 +474,7 @@ class Pool:
     def _task_in_scratch(self, fn: str, payload: Any, mesh: tuple, extra: tuple, seed: int, world: int,
                          deadline: float, label: str, given: str | None = None) -> dict[int, Any]:
         self._task += 1
+        self._served = True
         if given is not None:  # the caller's, and the caller's to remove
             return self._run(fn, payload, mesh, extra, seed, given, world, deadline, label)
         scratch = os.path.join(self._tmp, f"task{self._task}")

@@ -63,13 +63,14 @@ class RankRunner(Attempts):
     # ---- the pool's interface ------------------------------------------------------------
     def run(self, fn: str, payload: Any, mesh: tuple[tuple[str, int], ...], *, seed: int = 0,
             deadline: float | None = None, label: str = "", extra_meshes=(), gather: str | None = None,
-            scratch: str | None = None):
+            scratch: str | None = None, fresh: bool = False):
         """Run ``fn(ctx, payload)`` on this rank if it lies in ``mesh``; every rank must call it.
 
         ``gather="all"``: every rank returns every mesh rank's value (the pool's contract, for
         tests that use ``rank_pool`` directly); ``"first"``: rank 0 gets them, the others None
         (cells: only rank 0 judges). ``scratch`` is ignored: a rank's pytest ``tmp_path`` is its
-        own, so the ranks share a directory under the job's scratch. Default: ``"first"`` inside a
+        own, so the ranks share a directory under the job's scratch. ``fresh`` is ignored: a job's
+        ranks cannot be replaced (they put back what the clean-start check can). Default: ``"first"`` inside a
         cell (:meth:`begin` with a record), else ``"all"``. Inside a cell, rank 0 announces each
         round and the other ranks run it when they see it (:meth:`follow`), so rank 0 may run more
         than one (a failing cell's localisation). Raises :class:`CaseFailure` on the gathering ranks

@@ -1,0 +1,72 @@
+"""A library that keeps state across builds in a process (as torchtitan 0.3.0 does), from a user's own
+project (a temporary directory, pytest in a subprocess): its module remembers the first model it
+parallelized and hands the next one that model's scale, so on warm ranks the second cell's verdict is
+set by the first (red, though its code is right); registered ``fresh=True``, every cell runs on rank
+processes no cell ran in and both are green."""
+import subprocess
+import sys
+import textwrap
+
+from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
+
+MODEL = textwrap.dedent('''\
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from harness.model import ModelCase
+
+    _FIRST = {}  # the library's process-wide state: the first model it parallelized
+
+
+    def batch(step):
+        g = torch.Generator().manual_seed(step)
+        return {"input": torch.randn(8, 16, generator=g), "target": torch.randn(8, 16, generator=g)}
+
+
+    def loss(out, batch):
+        return ((out - batch["target"]) ** 2).mean()
+
+
+    def parallelize(model, meshes):
+        first = _FIRST.setdefault("model", model)
+        if first is not model:  # a stale handle: right in a new process, wrong in a used one
+            with torch.no_grad():
+                model.weight.mul_(2)
+        fully_shard(model, mesh=meshes.dense["dp"])
+        return model
+
+
+    CASE = ModelCase(build=lambda: nn.Linear(16, 16), batch=batch, loss=loss, parallelize={"lib": parallelize})
+    ''')
+TEST = textwrap.dedent('''\
+    import pytest
+
+    from harness.model import model_cells
+
+    CELLS = model_cells("warm", meshes=["dp=2", "dp=4"]) + model_cells("fresh", meshes=["dp=2", "dp=4"])
+
+
+    @pytest.mark.parametrize("cfg", CELLS, ids=str)
+    def test_model(cfg, parity):
+        parity(cfg)
+    ''')
+CONFTEST = textwrap.dedent('''\
+    from harness.model import register_model
+
+    register_model("warm", "mymodel:CASE")
+    register_model("fresh", "mymodel:CASE", fresh=True)
+    ''')
+
+
+def test_a_library_that_keeps_state_across_builds_gets_new_ranks_for_each_cell(tmp_path):
+    for name, text in (("mymodel.py", MODEL), ("conftest.py", CONFTEST), ("test_model.py", TEST),
+                       ("pytest.ini", "[pytest]\n")):
+        (tmp_path / name).write_text(text)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf"], cwd=tmp_path,
+                          env=env_for(tmp_path), capture_output=True, text=True, timeout=600)
+    out = done.stdout
+    assert done.returncode == 1 and "1 failed, 3 passed" in out, out[-5000:] + done.stderr[-2000:]
+    failed = out.split("short test summary")[1]
+    assert failed.count("test_model[warm-lib-") == 1, failed  # the second on warm ranks, set by the first
+    assert "test_model[fresh-" not in failed, failed
