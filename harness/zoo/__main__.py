@@ -1,12 +1,14 @@
 """``python -m harness.zoo transformers``: every shipped plan of the installed transformers, checked
-against one process; a table of architecture × plan × mesh.
+against one process; a table of architecture × plan × mesh. ``python -m harness.zoo torchtitan``:
+torchtitan's models, parallelized by its own ``parallelize_fn`` over its own ``ParallelDims``.
 
-It runs the zoo's cells (:func:`harness.zoo.transformers.zoo_cells`) with pytest in a project of its
-own in a temporary directory, with the pool and the junit record every cell run gets, and writes
+It runs the zoo's cells (``zoo_cells`` of :mod:`harness.zoo.transformers` or
+:mod:`harness.zoo.torchtitan`) with pytest in a project of its own in a temporary directory, with the
+pool and the junit record every cell run gets, and writes
 ``zoo.md`` (one row per cell: pass, red with its first line, crash with its cause, skip with its
 reason, known or fixed), ``zoo.html`` (architecture x plan and mesh, coloured) and ``zoo.json`` (the
 same rows) under ``--out``. ``python -m harness.zoo diff old/zoo.json new/zoo.json`` says what changed
-between two transformers releases.
+between two releases.
 """
 from __future__ import annotations
 
@@ -19,15 +21,15 @@ import sys
 import tempfile
 from html import escape
 
-from .transformers import PLANS
 from pathlib import Path
 
+LIBRARIES = ("transformers", "torchtitan")
 TEST = '''\
 import pytest
 
-from harness.zoo.transformers import zoo_cells
+from harness.zoo.{library} import zoo_cells
 
-CELLS = zoo_cells(only={only!r} or None, plans={plans!r})
+CELLS = zoo_cells(only={only!r} or None, plans={plans!r}{meshes})
 
 
 @pytest.mark.parametrize("cfg", CELLS, ids=str)
@@ -74,14 +76,14 @@ def counts(found: list[dict]) -> str:
     return ", ".join(f"{sum(r['verdict'] == v for r in found)} {v}" for v in VERDICTS)
 
 
-def markdown(found: list[dict], versions: str) -> str:
-    lines = [f"# transformers zoo ({versions})", "", counts(found), "",
+def markdown(found: list[dict], versions: str, library: str = "transformers") -> str:
+    lines = [f"# {library} zoo ({versions})", "", counts(found), "",
              "| cell | verdict | why |", "|---|---|---|"]
     lines += [f"| `{r['cell']}` | {r['verdict']} | {r['why'].replace('|', '/')} |" for r in found]
     return "\n".join(lines) + "\n"
 
 
-def html(found: list[dict], versions: str) -> str:
+def html(found: list[dict], versions: str, library: str = "transformers") -> str:
     """Architecture x (plan, mesh), each square coloured by its verdict, its line on hover."""
     grid: dict[str, dict[str, dict]] = {}
     for r in found:
@@ -98,9 +100,9 @@ def html(found: list[dict], versions: str) -> str:
                            f'<td style="background:{COLOURS[r["verdict"]]}" title="{escape(r["why"])}">'
                            f'{r["verdict"]}</td>')
         body.append(f"<tr><th>{model}</th>{''.join(squares)}</tr>")
-    return (f"<!doctype html><meta charset='utf-8'><title>transformers zoo</title><style>body{{font-family:sans-serif}}"
+    return (f"<!doctype html><meta charset='utf-8'><title>{library} zoo</title><style>body{{font-family:sans-serif}}"
             f"td{{color:white;text-align:center;font-size:12px;padding:2px 6px}}th{{font-size:12px;text-align:left}}"
-            f"</style><h1>transformers zoo ({escape(versions)})</h1><p>{counts(found)}</p>"
+            f"</style><h1>{library} zoo ({escape(versions)})</h1><p>{counts(found)}</p>"
             f"<table><tr><th></th>{head}</tr>{''.join(body)}</table>")
 
 
@@ -117,13 +119,30 @@ def changes(old: dict, new: dict) -> list[str]:
     return out
 
 
+def _zoo(library: str):
+    """The zoo module of ``library`` (its ``PLANS``, ``zoo_cells``, ``version``)."""
+    from importlib import import_module
+
+    return import_module(f"harness.zoo.{library}")
+
+
 def run(args) -> int:
+    library = args.command
+    zoo = _zoo(library)
+    if library == "torchtitan":
+        try:
+            zoo._shim()
+        except zoo.TorchtitanMissing as error:
+            print(f"python -m harness.zoo torchtitan: {error}", file=sys.stderr)
+            return 2
     only = [m for m in args.only.split(",") if m]
-    plans = tuple(p for p in args.plans.split(",") if p)
+    plans = tuple(p for p in args.plans.split(",") if p) or zoo.PLANS
+    meshes = tuple(m for m in getattr(args, "meshes", "").split(";") if m)
     args.out.mkdir(parents=True, exist_ok=True)
     junit = (args.out / "junit.xml").resolve()
     with tempfile.TemporaryDirectory(prefix="harness-zoo-") as project:
-        (Path(project) / "test_zoo.py").write_text(TEST.format(only=only, plans=plans))
+        (Path(project) / "test_zoo.py").write_text(TEST.format(
+            library=library, only=only, plans=plans, meshes=f", meshes={meshes!r}" if meshes else ""))
         (Path(project) / "pytest.ini").write_text("[pytest]\n")
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", args.n,
                    f"--junitxml={junit}", "--case-deadline", "300", "test_zoo.py"]
@@ -133,13 +152,14 @@ def run(args) -> int:
         print(f"the zoo's pytest run ended with {done.returncode} and judged no cell (its output is above)",
               file=sys.stderr)
         return 2
-    import transformers
+    import torch
 
-    versions = f"transformers {transformers.__version__}"
-    (args.out / "zoo.json").write_text(json.dumps({"transformers": transformers.__version__, "cells": found},
-                                                  indent=1))
-    (args.out / "zoo.md").write_text(markdown(found, versions))
-    (args.out / "zoo.html").write_text(html(found, versions))
+    version = zoo.version()
+    versions = f"{library} {version}, torch {torch.__version__}"
+    (args.out / "zoo.json").write_text(json.dumps({"library": library, library: version, "torch": torch.__version__,
+                                                   "cells": found}, indent=1))
+    (args.out / "zoo.md").write_text(markdown(found, versions, library))
+    (args.out / "zoo.html").write_text(html(found, versions, library))
     print(f"zoo ({versions}): {counts(found)}: {args.out / 'zoo.md'}, zoo.html, zoo.json")
     return 0
 
@@ -152,7 +172,8 @@ def diff(args) -> int:
               file=sys.stderr)
         return 2
     moved = changes(old, new)
-    print(f"transformers {old.get('transformers')} -> {new.get('transformers')}: {len(moved)} cells changed")
+    library = new.get("library", "transformers")  # zoo.json files written before torchtitan's zoo name none
+    print(f"{library} {old.get(library)} -> {new.get(library)}: {len(moved)} cells changed")
     print("\n".join(moved))
     return 0
 
@@ -160,19 +181,32 @@ def diff(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.zoo", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    zoo = sub.add_parser("transformers", help="check every architecture's shipped plans")
-    zoo.add_argument("--only", default="", help="model types, comma separated (default: every one with a plan)")
-    zoo.add_argument("--plans", default=",".join(PLANS), help=f"of {', '.join(PLANS)} (default: all)")
-    zoo.add_argument("--out", type=Path, default=Path("zoo-out"), help="where zoo.md, zoo.html and zoo.json go")
-    zoo.add_argument("-n", default="auto", help="pytest-xdist workers (default: auto)")
+    helps = {"transformers": ("check every architecture's shipped plans", "model types", "tp, tpauto, ep, tpep"),
+             "torchtitan": ("check torchtitan's models under its own parallelize_fn", "models (llama3, qwen3)",
+                            "its DTensor backends, partial and full")}
+    zoos = {}
+    for library in LIBRARIES:
+        what, only, plans = helps[library]
+        zoo = zoos[library] = sub.add_parser(library, help=what)
+        zoo.add_argument("--only", default="", help=f"{only}, comma separated (default: every one)")
+        zoo.add_argument("--plans", default="", help=f"of {plans} (default: all)")
+        zoo.add_argument("--out", type=Path, default=Path("zoo-out"), help="where zoo.md, zoo.html and zoo.json go")
+        zoo.add_argument("-n", default="auto", help="pytest-xdist workers (default: auto)")
+        if library == "torchtitan":
+            zoo.add_argument("--meshes", default="", help="meshes, ';' between them, e.g. 'dp=2;dp=2,tp=2' "
+                                                          "(default: every one the zoo runs)")
     compared = sub.add_parser("diff", help="what changed between two zoo.json files (two releases)")
     compared.add_argument("old", type=Path)
     compared.add_argument("new", type=Path)
     args = parser.parse_args(argv)
     if args.command == "diff":
         return diff(args)
-    if bad := [p for p in args.plans.split(",") if p and p not in PLANS]:
-        zoo.error(f"--plans: unknown {', '.join(bad)}; give some of {', '.join(PLANS)}")
+    if args.command == "torchtitan" and (bad := [m for m in args.only.split(",") if m and m not in
+                                                 _zoo("torchtitan").CONFIGS]):
+        zoos["torchtitan"].error(f"--only: unknown {', '.join(bad)}; give some of {', '.join(_zoo('torchtitan').CONFIGS)}")
+    known = _zoo(args.command).PLANS
+    if bad := [p for p in args.plans.split(",") if p and p not in known]:
+        zoos[args.command].error(f"--plans: unknown {', '.join(bad)}; give some of {', '.join(known)}")
     return run(args)
 
 

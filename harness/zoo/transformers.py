@@ -331,6 +331,13 @@ def name_of(model_type: str) -> str:
     return "hf" + re.sub(r"[^a-z0-9]", "", model_type.lower())
 
 
+def version() -> str:
+    """The installed transformers' release (a zoo's report names it)."""
+    import transformers
+
+    return transformers.__version__
+
+
 PLANS = ("tp", "tpauto", "ep", "tpep")
 EXPERT_PLANS = ("ep", "tpep")  # cells only for architectures that ship an EP plan
 

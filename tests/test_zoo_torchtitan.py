@@ -1,0 +1,109 @@
+"""``python -m harness.zoo torchtitan`` as a user runs it, from a directory of their own, with torchtitan
+installed as docs/zoo.md says (the extra, then torchtitan without its dependencies) into an environment
+of the test's over this one: qwen3 through torchtitan's own ``parallelize_fn`` green on both DTensor
+backends with sequence parallel on and off; a bug planted in torchtitan (FSDP's gradient division left on, in a
+copy of the installed package) red where FSDP reduces and green where it does not; without torchtitan,
+one line that says how to install it."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from harness.zoo.torchtitan import VERSION
+from tests.checkout import venv_over_this_one
+from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
+
+ROOT = Path(__file__).resolve().parent.parent
+# pyproject's torchtitan extra, which this run's install (README's: thirdparty, ci) lacks
+EXTRA = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["torchtitan"]
+
+
+@pytest.fixture(scope="module")
+def titan_python(tmp_path_factory) -> Path:
+    """An environment over this one with torchtitan installed as docs/zoo.md installs it."""
+    python = venv_over_this_one(tmp_path_factory.mktemp("titan") / "venv")
+    for args in (EXTRA, ["--no-deps", f"torchtitan=={VERSION}"]):
+        done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", *args],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return python
+
+
+def zoo(python, cwd: Path, *args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(python), "-m", "harness.zoo", "torchtitan", *args], cwd=cwd,
+                          env=env or env_for(cwd), capture_output=True, text=True, timeout=900)
+
+
+def test_qwen3_under_its_own_parallelize_is_green_on_both_backends_with_sp_on_and_off(titan_python, tmp_path):
+    # the whole zoo (every model, mesh, backend and sp: 64 cells, about 8 minutes here) is the nightly's
+    done = zoo(titan_python, tmp_path, "--only", "qwen3", "--meshes", "dp=2,tp=2", "-n", "2", "--out", "out")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = json.loads((tmp_path / "out" / "zoo.json").read_text())
+    assert found["library"] == "torchtitan" and found["torchtitan"] == VERSION, found
+    verdicts = {r["cell"]: r["verdict"] for r in found["cells"]}
+    assert verdicts == {f"ttqwen3-{impl}-dp2.tp2-fp32-sp_{sp}-steps3-seed0": "pass"
+                        for impl in ("partial", "full") for sp in ("on", "off")}, found["cells"]
+    assert (tmp_path / "out" / "zoo.md").read_text().startswith(f"# torchtitan zoo (torchtitan {VERSION}, torch ")
+
+
+TEST = '''
+import pytest
+from harness.zoo.torchtitan import zoo_cells
+
+CELLS = zoo_cells(only=["llama3"], plans=("partial",), meshes=("dp=2", "tp=2"))
+
+
+@pytest.mark.parametrize("cfg", CELLS, ids=str)
+def test_zoo(cfg, parity):
+    parity(cfg)
+'''
+
+
+def test_a_bug_planted_in_torchtitan_is_red_where_fsdp_reduces(titan_python, tmp_path):
+    # a copy of the installed torchtitan, first on the path, with FSDP's division left on: gradients 1/dp
+    installed = subprocess.run([str(titan_python), "-c", "import torchtitan, os; print(os.path.dirname(torchtitan.__file__))"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    planted = tmp_path / "planted"
+    shutil.copytree(installed, planted / "torchtitan")
+    fsdp = planted / "torchtitan" / "distributed" / "fsdp.py"
+    text = fsdp.read_text()
+    assert "module.set_gradient_divide_factor(1.0)" in text
+    fsdp.write_text(text.replace("module.set_gradient_divide_factor(1.0)", "pass  # planted", 1))
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "test_zoo.py").write_text(TEST)
+    (project / "pytest.ini").write_text("[pytest]\n")
+    env = dict(env_for(project), PYTHONPATH=os.pathsep.join([str(planted), env_for(project)["PYTHONPATH"]]))
+    done = subprocess.run([str(titan_python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf"], cwd=project,
+                          env=env, capture_output=True, text=True, timeout=600)
+    out = done.stdout
+    assert done.returncode == 1 and "2 failed, 2 passed" in out, out[-5000:] + done.stderr[-2000:]
+    failed = out.split("short test summary")[1]
+    assert failed.count("ttllama3-partial-dp2-") == 2 and "-tp2-" not in failed, failed
+    assert "first diverging module: lm_head (parameter gradients, step 1)" in out and "1/dp" in out, out[-5000:]
+
+
+def test_without_torchtitan_the_zoo_says_how_to_install_it(tmp_path):
+    if subprocess.run([sys.executable, "-c", "import torchtitan"], capture_output=True).returncode == 0:
+        pytest.skip("torchtitan is installed here")
+    done = zoo(sys.executable, tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"pip install -e '.[torchtitan]' && pip install --no-deps torchtitan=={VERSION}" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_the_nightly_torchtitan_job_installs_and_runs_as_tested_here():
+    from tests.test_workflow import WORKFLOWS, lint, load
+
+    workflow = WORKFLOWS / "zoo.yml"
+    done = lint(workflow)
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = {s["name"]: s for s in load(workflow)["jobs"]["torchtitan"]["steps"] if "name" in s}
+    install = steps["Install (as docs/zoo.md)"]["run"]
+    assert ".[torchtitan]" in install and f"--no-deps torchtitan=={VERSION}" in install, install
+    assert steps["Zoo"]["run"].startswith(".venv/bin/python -m harness.zoo torchtitan ")
