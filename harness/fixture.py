@@ -100,7 +100,7 @@ class CellCheck:
         from .golden.store import GoldenError
         from .layout import AssemblyError
         from .pool.parent import CaseFailure, PoolError
-        from .world import split_nothing
+        from .world import split_nothing, vacuous_kind
 
         opt = self.config.getoption
         rerun = rerun_command(self.config.rootpath, self.nodeid)
@@ -122,7 +122,7 @@ class CellCheck:
         except (CaseFailure, AssemblyError) as error:  # a hang or crash reruns the same way a mismatch does
             vacuous = split_nothing(error) if isinstance(error, CaseFailure) else None
             if vacuous:  # not a crash: the cell has no verdict on its numbers to give
-                record["kind"] = "split nothing"
+                record["kind"] = vacuous_kind(vacuous)
                 return f"{vacuous}{self._keep(scratch)}\nreproduce: {rerun}", None
             record["kind"] = getattr(error, "kind", type(error).__name__)
             return f"{error}{self._keep(scratch)}\nreproduce: {rerun}", None

@@ -168,12 +168,25 @@ class SplitNothing(CellError):
     the same line, ``<dim>=<degree>[, ...] split nothing: <what and how to declare it>``."""
 
 
-_SPLIT_NOTHING = re.compile(r"(?:[a-z]+=\d+, )*[a-z]+=\d+ split nothing: ")
+class RanFp32(CellError):
+    """A bf16 or fp16 model cell in which no module computed in that dtype on any rank: it ran in fp32,
+    and a match would certify nothing about the dtype its id names. Every rank raises the same line,
+    ``<dtype> ran in fp32: <what and how to set the precision>``."""
+
+
+# the lines of a cell that ran nothing its id says: no verdict on its numbers to give
+_SPLIT_NOTHING = re.compile(r"(?:(?:[a-z]+=\d+, )*[a-z]+=\d+ split nothing|(?:bf16|fp16) ran in fp32): ")
+
+
+def vacuous_kind(line: str) -> str:
+    """The record kind of such a line: ``split nothing`` or ``ran fp32``."""
+    return "ran fp32" if re.match(r"(?:bf16|fp16) ran in fp32: ", line) else "split nothing"
 
 
 def split_nothing(failure) -> str | None:
-    """The line of a cell that split nothing over a dim, when every rank of ``failure`` (a
-    ``CaseFailure``) raised it; else None (a crash, a hang, ranks that disagree)."""
+    """The line of a cell that ran nothing its id says (split nothing over a dim, or a bf16 or fp16
+    cell that computed in fp32), when every rank of ``failure`` (a ``CaseFailure``) raised it; else
+    None (a crash, a hang, ranks that disagree)."""
     told = {(o.status, o.summary) for r, o in failure.outcomes.items() if r < failure.world}
     if len(told) != 1:
         return None

@@ -3,7 +3,9 @@ directory, pytest in a subprocess): the shipped ``titanmp`` case (``harness/exam
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` read from ``harness.model.running()``,
 ``mixed_precision="params"``) is green on its bf16 cells against the fp64 reference, and the same
 function with a bug a bf16 user could ship (gradients averaged over dp once more after FSDP2's own
-average) is red, named with its group."""
+average) is red, named with its group; and a ``parallelize`` that sets no policy on its mesh (TP alone,
+under ``mixed_precision="params"``) trains in fp32: its bf16 cell fails saying so, never green at
+fp32's numbers."""
 import subprocess
 import sys
 import textwrap
@@ -25,15 +27,20 @@ MODEL = textwrap.dedent('''\
 
 
     BUG = dataclasses.replace(titan.MIXED, parallelize={"twice": averaged_twice})
+    # TP with no precision policy: nothing computes in bf16
+    NOPOLICY = dataclasses.replace(titan.CASE, parallelize={"tponly": titan.parallelize}, supports={},
+                                   mixed_precision="params")
     ''')
-CONFTEST = 'from harness.model import register_model\n\nregister_model("mpbug", "mymodel:BUG")\n'
+CONFTEST = ('from harness.model import register_model\n\nregister_model("mpbug", "mymodel:BUG")\n'
+            'register_model("nopolicy", "mymodel:NOPOLICY")\n')
 TEST = textwrap.dedent('''\
     import pytest
 
     from harness.model import model_cells
 
     CELLS = (model_cells("titanmp", meshes=["dp=2", "rep=2,dp=2"], dtypes=["bf16"])
-             + model_cells("mpbug", meshes=["dp=2"], dtypes=["bf16"]))
+             + model_cells("mpbug", meshes=["dp=2"], dtypes=["bf16"])
+             + model_cells("nopolicy", meshes=["tp=2"], dtypes=["bf16"]))
 
 
     @pytest.mark.parametrize("cfg", CELLS, ids=str)
@@ -50,10 +57,14 @@ def test_fsdp2_mixed_precision_is_green_and_a_bf16_users_bug_is_red(tmp_path):
                            "--case-deadline", "120"],
                           cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=600)
     out = done.stdout
-    assert done.returncode == 1 and "1 failed, 2 passed" in out, out[-5000:] + done.stderr[-2000:]
+    assert done.returncode == 1 and "2 failed, 2 passed" in out, out[-5000:] + done.stderr[-2000:]
     assert "PASSED test_cells.py::test_cell[titanmp-fsdpmp-dp2-bf16" in out
     assert "PASSED test_cells.py::test_cell[titanmp-fsdpmp-rep2.dp2-bf16" in out
     bug = flat(out.split("test_cell[mpbug-twice-dp2-bf16")[1])
     # held to the bf16 policy grown by one process computing as FSDP2's policy does
     assert "(rtol=0.0625 (bf16, n=64); per tensor x (1 + 16 x one process's bf16 err/tol there)" in bug, bug[:3000]
     assert "the reference x 1/2 = 1/dp" in bug, bug[:4000]
+    fp32 = flat(out.split("_ test_cell[nopolicy-tponly-tp2-bf16")[1].split("reproduce:")[0])
+    assert fp32.startswith("-plain-steps3-seed0] _") and "bf16 ran in fp32: no module of parallelize 'tponly' computed " \
+        "in bf16 on any rank" in fp32 and "MixedPrecisionPolicy(param_dtype=running().dtype)" in fp32, fp32[:3000]
+    assert "ran fp32 1" in flat(out.split("parity summary")[1]), out[-3000:]  # failed as: not a mismatch, not a crash

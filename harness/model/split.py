@@ -1,4 +1,5 @@
-"""Whether a model cell split something over every dim of its mesh: a green is earned only there.
+"""Whether a model cell ran what its id says: something split over every dim of its mesh, and a
+bf16 or fp16 cell computed in that dtype. A green is earned only there.
 
 A ``parallelize`` that ignores a dim leaves each of its ranks running the whole of what one process
 runs, and the cell would match for nothing. So each rank notes what split each dim, the ranks share
@@ -18,6 +19,11 @@ pass; exploration takes such a draw as invalid. What splits a dim:
            ``meshes.mesh``/``group`` of ``ep``, ``etp``, ``efsdp``) or sharded a DTensor over a
            mesh dim named ``ep``
 =========  ==============================================================================
+
+A bf16 or fp16 cell in which no module's step-1 output on any rank was in that dtype ran in fp32
+(``ModelCase(mixed_precision="params")`` leaves the precision to ``parallelize``, which may set no
+policy on a mesh without FSDP): it ends as a failure (:class:`harness.world.RanFp32`), one line
+saying so and how to set the precision, never a pass at fp32's numbers.
 """
 from __future__ import annotations
 
@@ -28,10 +34,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Shard as DShard
 
+from ..compare.tolerance import TORCH_DTYPE
 from ..layout import MeshLayout
 from ..meshes.device_mesh import Meshes
 from ..names import DENSE
-from ..world import SplitNothing
+from ..world import RanFp32, SplitNothing
 from .hooks import _tensors
 from .placement import declared_placements
 
@@ -59,6 +66,9 @@ class Notes:
         self.case, self.degrees = case, degrees
         self.ours = ours or {}  # the case's own mesh dim names -> ours (ModelCase.mesh_names)
         self.split: set[str] = {d for d in BY_THE_HARNESS if degrees.get(d, 1) > 1}
+        self.dtype = cfg.dtype
+        self.low = TORCH_DTYPE[cfg.dtype] if cfg.dtype in ("bf16", "fp16") else None  # the dtype to compute in
+        self.computed_low = False  # whether a module's output was in it
         self._spans: dict[tuple[int, int], set[str]] = {}
         self._hook = None
 
@@ -99,12 +109,14 @@ class Notes:
     def watching(self):
         """While a dim is unsplit, note the DTensor outputs of every module call in the block, until
         :meth:`close` (an activation sharded over tp while the weights stay whole: sequence
-        parallelism, a prepared input)."""
+        parallelism, a prepared input); in a bf16 or fp16 cell, whether any output was in its dtype."""
         def hook(module, args, output):
             for t in _tensors(output, "output").values():
                 self.tensor(t)
+                if self.low is not None and t.dtype == self.low:
+                    self.computed_low = True
 
-        if self.missing():
+        if self.missing() or self.low is not None:
             self._hook = nn.modules.module.register_module_forward_hook(hook)
         try:
             yield
@@ -134,18 +146,30 @@ def line(missing: list[str], degrees: dict[str, int], impl: str) -> str:
             f"ModelCase(supports={{{impl!r}: fn(spec) -> reason or None}})")
 
 
+def ran_fp32_line(dtype: str, impl: str) -> str:
+    """The one line of a bf16 or fp16 cell that computed nothing in its dtype."""
+    return (f"{dtype} ran in fp32: no module of parallelize {impl!r} computed in {dtype} on any rank; with "
+            "ModelCase(mixed_precision='params') parallelize sets the precision (FSDP2's "
+            "MixedPrecisionPolicy(param_dtype=running().dtype), on every mesh it runs) and here it set none; or "
+            "declare mixed_precision='autocast' or 'bf16', which the harness applies")
+
+
 def agree(notes: Notes, impl: str) -> None:
     """Share every rank's notes over the cell's world (a collective: every rank calls it) and raise
-    :class:`SplitNothing` on every rank when a dim was split by none of them."""
+    on every rank :class:`SplitNothing` when a dim was split by none of them, :class:`RanFp32` when
+    none computed in a bf16 or fp16 cell's dtype."""
     notes.close()
-    if not any(notes.degrees.get(d, 1) > 1 for d in ("pp", "tp", "ep")):  # the same on every rank
-        return  # the batch dims are split by the harness itself
-    mine = notes.missing()
+    # the same on every rank: the batch dims are split by the harness itself
+    if not any(notes.degrees.get(d, 1) > 1 for d in ("pp", "tp", "ep")) and notes.low is None:
+        return
+    mine = (notes.missing(), notes.computed_low)
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    missing = [d for d in mine if all(d in theirs for theirs in every)]
+    missing = [d for d in mine[0] if all(d in theirs for theirs, _ in every)]
     if missing:
         raise SplitNothing(line(missing, notes.degrees, impl))
+    if notes.low is not None and not any(computed for _, computed in every):
+        raise RanFp32(ran_fp32_line(notes.dtype, impl))
 
 
 def degrees_of(spec) -> dict[str, int]:
