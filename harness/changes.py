@@ -31,6 +31,10 @@ MACHINERY = ("harness.plugin", "harness.fixture", "harness.pool.rank", "harness.
 TABLES = ("harness.components",)
 
 
+# what the harness writes into a project (exploration's results and example database, bisect's): not a change
+OUTPUTS = ("explore-out/", ".hypothesis/", ".paritytest/")
+
+
 class ChangedError(ValueError):
     """``--changed REF`` cannot be read (not a git checkout, an unknown ref)."""
 
@@ -45,9 +49,9 @@ def changed_files(root: Path, ref: str) -> list[str]:
                                "give a commit, branch or tag of this checkout, e.g. --changed origin/main")
         return done.stdout
     git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
-    names = git("diff", "--name-only", "--relative", ref, "--").splitlines() + \
-        git("ls-files", "--others", "--exclude-standard").splitlines()
-    return sorted(set(names))
+    untracked = [n for n in git("ls-files", "--others", "--exclude-standard").splitlines()
+                 if not n.startswith(OUTPUTS)]
+    return sorted(set(git("diff", "--name-only", "--relative", ref, "--").splitlines() + untracked))
 
 
 def module_of(path: str) -> str | None:

@@ -118,10 +118,14 @@ def pytest_deselected(items):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
-    """xdist's controller: a worker's -k line (the workers collect, the controller prints)."""
-    line = getattr(node, "workeroutput", {}).get(selection.NO_CELL_KEY)
-    if line:
-        node.config.stash[selection.NO_CELL] = line
+    """xdist's controller: a worker's -k and --changed lines (the workers collect, the controller prints)."""
+    output = getattr(node, "workeroutput", {})
+    if output.get(selection.NO_CELL_KEY):
+        node.config.stash[selection.NO_CELL] = output[selection.NO_CELL_KEY]
+    if output.get(selection.CHANGED_KEY):
+        node.config.stash[selection.CHANGED] = output[selection.CHANGED_KEY]
+    if output.get(selection.NOTHING_CHANGED_KEY):
+        node.config.stash[selection.NOTHING_CHANGED] = True
 
 
 def pytest_collection_finish(session):
@@ -196,13 +200,23 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
-    """Before the terminal prints the failures: each way of failing names its other cells."""
+    """Before the terminal prints the failures: each way of failing names its other cells. A
+    ``--changed`` run that the change left nothing to run passes (exit 0, not pytest's 5): a pull
+    request that changes docs or CI files only moves no cell."""
     if _alike is not None:
         _alike.close()
+    if session.config.stash.get(selection.NOTHING_CHANGED, False) and \
+            session.exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+        session.exitstatus = pytest.ExitCode.OK
 
 
 def pytest_terminal_summary(terminalreporter):
     tr = terminalreporter
+    if selection.CHANGED in tr.config.stash:
+        tr.write_line(tr.config.stash[selection.CHANGED])
+    if tr.config.stash.get(selection.NOTHING_CHANGED, False):
+        tr.write_line(f"--changed {tr.config.getoption('--changed')}: the change moves no cell and no test: "
+                      "nothing to run (exit 0)", green=True, bold=True)
     if selection.NO_CELL in tr.config.stash:
         tr.write_line(tr.config.stash[selection.NO_CELL], yellow=True, bold=True)
     _summary.write(tr, _timeline)

@@ -17,6 +17,10 @@ QUICK_ONLY = "quick_only"  # the marker of a cell that only --quick runs (:func:
 DESELECTED_CELL = pytest.StashKey[str]()  # the id of a cell some deselection dropped: an example
 NO_CELL = pytest.StashKey[str]()  # the line that says -k matched no cell
 NO_CELL_KEY = "parity_no_cell"  # the same line, from an xdist worker to the controller
+CHANGED = pytest.StashKey[str]()  # --changed's line, when the controller did not collect (xdist)
+CHANGED_KEY = "parity_changed"  # the same line, from an xdist worker to the controller
+NOTHING_CHANGED = pytest.StashKey[bool]()  # --changed deselected everything collected
+NOTHING_CHANGED_KEY = "parity_nothing_changed"
 
 
 def cell_config(item) -> Config | None:
@@ -159,7 +163,9 @@ def select_changed(config, items) -> None:
     except ChangedError as error:
         raise pytest.UsageError(str(error)) from None
     reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None and not hasattr(config, "workerinput"):  # the controller says it, once
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller says it, once
+        config.workeroutput[CHANGED_KEY] = changes.describe()
+    elif reporter is not None:
         reporter.write_line(changes.describe())
 
     def wanted(item) -> bool:
@@ -168,6 +174,10 @@ def select_changed(config, items) -> None:
         cfg = cell_config(item)
         return changes.moves(cfg, module) if cfg is not None else changes.reaches(module)
     _keep(config, items, wanted)
+    if not items:  # a change no cell and no test can see (docs, CI files): nothing to run is a pass
+        config.stash[NOTHING_CHANGED] = True
+        if hasattr(config, "workerinput"):
+            config.workeroutput[NOTHING_CHANGED_KEY] = True
 
 
 def remember_deselected(items) -> None:

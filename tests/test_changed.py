@@ -106,3 +106,20 @@ def test_a_ref_git_does_not_know_is_a_usage_error(clone):
     _, out = selected(clone, "--changed", "no-such-ref")
     assert "--changed no-such-ref: git rev-parse" in out and "e.g. --changed origin/main" in out, out[-2000:]
     assert "Traceback" not in out
+
+
+def test_a_change_that_moves_nothing_passes_and_says_so_under_xdist(clone):
+    # a pull request that touches docs only, with exploration's output lying in the checkout
+    undo = changing(clone, "README.md")
+    (clone / "explore-out").mkdir(exist_ok=True)
+    (clone / "explore-out" / "result.json").write_text("[]\n")
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "cases/", "-n", "2", "-p", "no:cacheprovider",
+                               "--changed", "HEAD"], cwd=clone, capture_output=True, text=True, timeout=600)
+    finally:
+        undo()
+        (clone / "explore-out" / "result.json").unlink()
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]  # not pytest's 5: the gate's step passes
+    assert "--changed: 1 files changed (0 modules, 0 golden files)" in out, out[-3000:]  # README alone, said under -n
+    assert "--changed HEAD: the change moves no cell and no test: nothing to run (exit 0)" in out, out[-3000:]
