@@ -104,6 +104,26 @@ def test_diff_lists_exactly_the_three_rewritten_goldens_with_their_largest_chang
     assert bad.returncode == 2 and "'no-such-rev' is not a revision of this repository" in bad.stderr
 
 
+def test_diff_finds_the_base_of_a_repository_whose_default_branch_is_master(tmp_path):
+    """A team's repository with master and no main, cloned as CI clones it (only the remote's
+    branches), its pull request on a branch: the base is origin's default branch."""
+    origin, work = tmp_path / "origin", tmp_path / "work"
+    subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(ROOT), str(origin)], check=True)
+    git(origin, "checkout", "-q", "-B", "master")
+    for branch in git(origin, "branch", "--format=%(refname:short)").split():
+        if branch != "master":
+            git(origin, "branch", "-q", "-D", branch)
+    subprocess.run(["git", "clone", "-q", str(origin), str(work)], check=True)
+    git(work, "checkout", "-q", "-b", "pr")
+    assert "main" not in git(work, "branch", "-a"), git(work, "branch", "-a")
+    done = golden_cli(work, "diff", env={k: v for k, v in os.environ.items() if k != "GITHUB_BASE_REF"})
+    assert done.returncode == 0 and done.stdout.startswith("no golden file changed since "), done.stdout + done.stderr
+    # as in a pull request's workflow run, whatever origin's HEAD says
+    git(work, "remote", "set-head", "origin", "--delete")
+    done = golden_cli(work, "diff", env=dict(os.environ, GITHUB_BASE_REF="master"))
+    assert done.returncode == 0 and done.stdout.startswith("no golden file changed since "), done.stdout + done.stderr
+
+
 def test_diff_on_an_unchanged_tree_says_so(clone):
     done = golden_cli(clone, "diff")
     assert done.returncode == 0 and done.stdout.startswith("no golden file changed since ")

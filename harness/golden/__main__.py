@@ -1,7 +1,7 @@
 """``python -m harness.golden diff [BASE_REV]`` and ``python -m harness.golden check``.
 
 diff: golden files added, removed and changed between ``BASE_REV`` (default: the merge base of
-HEAD with main) and the working tree; per changed tensor its largest absolute and relative change,
+HEAD with the change's base branch, :func:`base_branches`) and the working tree; per changed tensor its largest absolute and relative change,
 whether it is bit-identical, and whether the change is within the tolerance policy (the cell's
 dtype and the reduction size its component declares for that tensor). Markdown, so the PR summary
 shows it; informational, exit 0 (exit 2 when git cannot answer).
@@ -12,6 +12,7 @@ runs here has one (orphans and gaps listed, one per line); exit 1 on any problem
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -51,16 +52,30 @@ def repo_root(start: Path) -> Path:
                        "run it from inside the checkout whose golden/ you changed") from None
 
 
+def base_branches(root: Path) -> list[str]:
+    """Where a change's base may be, in order: the pull request's base branch (``GITHUB_BASE_REF``, in
+    GitHub Actions), the remote's default branch (``origin/HEAD``), then main and master, local or
+    the remote's (a CI checkout has only the remote's)."""
+    found = []
+    if os.environ.get("GITHUB_BASE_REF"):
+        found += [f"origin/{os.environ['GITHUB_BASE_REF']}", os.environ["GITHUB_BASE_REF"]]
+    try:
+        found.append(_git(root, "symbolic-ref", "--short", "refs/remotes/origin/HEAD").decode().strip())
+    except GitError:
+        pass  # a clone without its remote's HEAD (a shallow CI fetch) or no remote
+    return list(dict.fromkeys(found + ["main", "origin/main", "master", "origin/master"]))
+
+
 def merge_base(root: Path) -> str:
-    """The merge base of HEAD with main (origin/main where only the remote branch exists, as in CI)."""
-    errors = []
-    for branch in ("main", "origin/main"):
+    """The merge base of HEAD with the first of :func:`base_branches` that exists."""
+    tried = base_branches(root)
+    for branch in tried:
         try:
             return _git(root, "merge-base", "HEAD", branch).decode().strip()
-        except GitError as error:
-            errors.append(str(error))
-    raise GitError("no merge base with main or origin/main; name the base revision: "
-                   "python -m harness.golden diff <rev>  (" + "; ".join(errors) + ")")
+        except GitError:
+            continue
+    raise GitError(f"no merge base with {', '.join(tried)}; name the base revision: "
+                   "python -m harness.golden diff <rev>")
 
 
 def _load(data: bytes) -> dict[str, torch.Tensor]:
@@ -322,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.golden", description="golden files: drift and coverage")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("diff", help="golden files added/removed/changed between BASE_REV and the working tree")
-    d.add_argument("base", nargs="?", help="base revision (default: the merge base of HEAD with main)")
+    d.add_argument("base", nargs="?", help="base revision (default: the merge base of HEAD with the pull request's "
+                                           "base branch, origin's default branch, main or master)")
     d.add_argument("--golden-dir", default="golden", help="relative to the repository root (default golden)")
     c = sub.add_parser("check", help="every golden loads and has a cell; every cell has a golden")
     c.add_argument("paths", nargs="*", help="test paths to collect the cells from (default: pytest's testpaths)")
