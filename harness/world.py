@@ -239,6 +239,11 @@ def explained(error: BaseException, size: int) -> str | None:
             return (f"the cell's code built a device mesh{where} larger than its world of {size} ranks ({text}); "
                     "build it from dist.get_world_size(), its shape multiplying to the world")
         asked = re.search(r"Invalid mesh_dim_names \((.*?)\) specified", text)
+        if isinstance(cause, KeyError) and asked and "ascending order" in text:  # names it has, out of order
+            names = re.findall(r"'(\w+)'", asked.group(1))
+            return (f"the cell's code sliced a mesh by {', '.join(names)}{where}, out of the order the mesh holds "
+                    f"them in (torch: \"Mesh dim indices should be in ascending order\"): slice in the mesh's own "
+                    f"order{', e.g. [' + ', '.join(repr(n) for n in reversed(names)) + ']' if len(names) == 2 else ''}")
         if isinstance(cause, KeyError) and asked:
             names = re.findall(r"'(\w+)'", asked.group(1))
             titan = [n for n in names if n in TORCHTITAN.values() and n not in GROUPS]

@@ -3,8 +3,9 @@
 meshes named as torchtitan names them (``dp_replicate``, ``dp_shard``, flattened ``dp_shard_cp``)
 over the same ranks, and its cells pass; without it, the cell says in one line which name it asked
 for and how to keep it; and a planted bug in the same function (FSDP over ``dp_replicate`` instead of
-``dp_shard_cp``: on ``dp=2`` nothing reduces the gradients) is red. The function reads the running
-cell (``harness.model.running()``) too."""
+``dp_shard_cp``: on ``dp=2`` nothing reduces the gradients) is red; a slice out of the mesh's order
+is told as that, not as a name to map. The function reads the running cell
+(``harness.model.running()``) too."""
 import subprocess
 import sys
 import textwrap
@@ -59,8 +60,13 @@ MODEL = textwrap.dedent('''\
         return parallelize(model, meshes, shard="dp_replicate")
 
 
+    def reversed_slice(model, meshes):  # names the mesh holds, asked for out of its order
+        fully_shard(model, mesh=meshes.dense["dp_shard_cp", "dp_replicate"])
+        return model
+
+
     CASE = ModelCase(build=MLP, batch=batch, loss=loss, mesh_names="torchtitan",
-                     parallelize={"titan": parallelize, "fsdpbug": fsdp_over_replicate})
+                     parallelize={"titan": parallelize, "fsdpbug": fsdp_over_replicate, "reversed": reversed_slice})
     OURS = dataclasses.replace(CASE, mesh_names=None)
     ''')
 CONFTEST = textwrap.dedent('''\
@@ -76,6 +82,7 @@ TEST = textwrap.dedent('''\
 
     CELLS = (model_cells("mlp", impls=["titan"], meshes=["dp=2", "rep=2,dp=2", "dp=2,tp=2", "tp=2"])
              + model_cells("mlp", impls=["fsdpbug"], meshes=["dp=2"])
+             + model_cells("mlp", impls=["reversed"], meshes=["rep=2,dp=2"])
              + model_cells("mlpours", impls=["titan"], meshes=["dp=2"]))
 
 
@@ -92,7 +99,7 @@ def test_a_torchtitan_named_parallelize_runs_unchanged(tmp_path):
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--case-deadline", "120"],
                           cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=600)
     out = done.stdout
-    assert done.returncode == 1 and "2 failed, 4 passed" in out, out[-5000:] + done.stderr[-2000:]
+    assert done.returncode == 1 and "3 failed, 4 passed" in out, out[-5000:] + done.stderr[-2000:]
     for mesh in ("dp2", "rep2.dp2", "dp2.tp2", "tp2"):
         assert f"PASSED test_mlp.py::test_mlp[mlp-titan-{mesh}-" not in out  # -q: only failures are named
         assert f"test_mlp[mlp-titan-{mesh}-" not in out.split("short test summary")[1]
@@ -101,3 +108,7 @@ def test_a_torchtitan_named_parallelize_runs_unchanged(tmp_path):
     ours = flat(out.split("test_mlp[mlpours-titan-dp2")[1])
     assert ("the cell's code asked a mesh for dp_shard (at mymodel.py:") in ours, ours[:3000]
     assert "ModelCase(mesh_names='torchtitan') hands them over with torchtitan's names" in ours
+    # a slice out of the mesh's order is not a missing name: no advice to rename what is already named
+    backwards = flat(out.split("test_mlp[mlp-reversed-rep2.dp2")[1].split("reproduce:")[0])
+    assert "the cell's code sliced a mesh by dp_shard_cp, dp_replicate (at mymodel.py:" in backwards, backwards[:3000]
+    assert "e.g. ['dp_replicate', 'dp_shard_cp']" in backwards and "mesh_names" not in backwards, backwards[:3000]
