@@ -106,7 +106,7 @@ class CellCheck:
         rerun = rerun_command(self.config.rootpath, self.nodeid)
         scratch = None  # the cell's directory (harness.model.cell_dir()), kept if it fails
         try:
-            scratch = pool.new_scratch()
+            scratch = pool.new_scratch(fresh=cell.component.fresh)
             # a declared divergence does not pay for the re-run that localises it, and has no golden file:
             # where it matches (a non-strict one on this machine's kernels) it would record numbers that
             # another machine's run of it does not reach

@@ -23,10 +23,12 @@ class Runner(Protocol):
     can_rerun: bool  # whether a failing cell may be run again to localise it
 
     def run(self, fn: str, payload: Any, mesh: Mesh, *, seed: int = 0, deadline: float | None = None,
-            label: str = "", extra_meshes=(), scratch: str | None = None) -> dict[int, Any] | None:
+            label: str = "", extra_meshes=(), scratch: str | None = None,
+            fresh: bool = False) -> dict[int, Any] | None:
         """Every mesh rank's return value (None on a torchrun rank that does not gather); raises
         :class:`harness.pool.parent.CaseFailure`, every rank's outcome in it, when a rank raised,
-        died or passed the deadline."""
+        died or passed the deadline. ``fresh``: on ranks no task ran on, where the runner can
+        replace them (:attr:`harness.registry.Component.fresh`)."""
         ...
 
     def alone(self, fn: str, payload: Any, mesh: Mesh, *, seed: int = 0, deadline: float | None = None,
@@ -34,7 +36,8 @@ class Runner(Protocol):
         """``fn(ctx, payload)`` on ``mesh`` (every degree 1) in a world of one: its value."""
         ...
 
-    def new_scratch(self) -> str | None:
+    def new_scratch(self, fresh: bool = False) -> str | None:
         """An empty directory the ranks of a later ``run(scratch=...)`` share, or None where the
-        runner gives each round its own."""
+        runner gives each round its own; ``fresh``: for a cell whose ranks must be new (the pool
+        replaces ranks that ran a task first)."""
         ...

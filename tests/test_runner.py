@@ -63,6 +63,7 @@ def test_the_contract_check_finds_what_drifted():
     assert found == ["no can_rerun",
                      "run() seed: keyword-only, default 1; the contract: keyword-only, default 0",
                      "run() lacks deadline",
+                     "run() lacks fresh",
                      "run() adds gather, which a caller cannot leave out",
                      f"alone() seed: {positional}, default 0; the contract: keyword-only, default 0",
                      f"alone() deadline: {positional}, default None; the contract: keyword-only, default None",

@@ -2,7 +2,8 @@
 project (a temporary directory, pytest in a subprocess): its module remembers the first model it
 parallelized and hands the next one that model's scale, so on warm ranks the second cell's verdict is
 set by the first (red, though its code is right); registered ``fresh=True``, every cell runs on rank
-processes no cell ran in and both are green."""
+processes no cell ran in and both are green, their shared directory (``cell_dir()``) there as on warm
+ranks."""
 import subprocess
 import sys
 import textwrap
@@ -11,10 +12,11 @@ from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse 
 
 MODEL = textwrap.dedent('''\
     import torch
+    import torch.distributed as dist
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
-    from harness.model import ModelCase
+    from harness.model import ModelCase, cell_dir
 
     _FIRST = {}  # the library's process-wide state: the first model it parallelized
 
@@ -29,6 +31,7 @@ MODEL = textwrap.dedent('''\
 
 
     def parallelize(model, meshes):
+        (cell_dir() / f"rank{dist.get_rank()}").write_text("here")  # the cell's directory, on its new ranks too
         first = _FIRST.setdefault("model", model)
         if first is not model:  # a stale handle: right in a new process, wrong in a used one
             with torch.no_grad():

@@ -416,14 +416,16 @@ class Pool:
         the pool's own, removed after the task.
 
         ``fresh``: on ranks no task ran on (ranks that served one are replaced first), for code whose
-        libraries keep state across builds that the clean-start check cannot see.
+        libraries keep state across builds that the clean-start check cannot see; a task in a
+        directory of :meth:`new_scratch` runs on the ranks that made it (``new_scratch(fresh=True)``).
 
         Returns each mesh rank's return value. Raises :class:`CaseFailure` when any rank raises,
         dies or is still running at the deadline, with every rank's outcome.
         """
         mesh, extra, size = fitting(mesh, extra_meshes, self.size, "the pool has {size}: run with --pool-size {need}")
         world = mesh.world
-        if (self._unfit is not None and (scratch is None or scratch != self._unfit)) or (fresh and self._served):
+        if (self._unfit is not None and (scratch is None or scratch != self._unfit)) or \
+                (fresh and self._served and scratch is None):
             self.kill()  # a cell before this one left its ranks unfit, or this one asks for new ones
         self.start()
         if self._world[0] != size:  # a world of another size: a new default group, new meshes
@@ -439,11 +441,13 @@ class Pool:
         return self._task_in_scratch(fn, payload, mesh, extra, seed, world,
                                      self.deadline if deadline is None else deadline, label, scratch)
 
-    def new_scratch(self) -> str:
+    def new_scratch(self, fresh: bool = False) -> str:
         """An empty directory for a caller's task (``run(scratch=...)``), in the pool's own temporary
         directory: gone with the pool whatever happens, removed or kept by the caller before that.
-        A new directory is a new cell: ranks the last one left unfit are replaced first."""
-        if self._unfit is not None:
+        A new directory is a new cell: ranks the last one left unfit are replaced first, and, for a
+        ``fresh`` cell, ranks that ran any task (its directory lives in the pool's, so they are
+        replaced here, before it is made, not by :meth:`run`)."""
+        if self._unfit is not None or (fresh and self._served):
             self.kill()
         self.start()
         return tempfile.mkdtemp(prefix="cell", dir=self._tmp)

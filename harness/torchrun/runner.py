@@ -164,9 +164,9 @@ class RankRunner(Attempts):
                           stacklevel=3)
         return out
 
-    def new_scratch(self) -> None:
+    def new_scratch(self, fresh: bool = False) -> None:
         """None: a rank's pytest ``tmp_path`` is its own, so the ranks share a directory under the
-        job's scratch instead (:meth:`run`)."""
+        job's scratch instead (:meth:`run`). ``fresh`` is ignored: a job's ranks cannot be replaced."""
         return None
 
     def alone(self, fn: str, payload: Any, mesh: tuple[tuple[str, int], ...], *, seed: int = 0,
