@@ -129,3 +129,26 @@ def test_the_maintainers_reproduction_in_the_docs_shows_the_bug_and_passes_a_rig
                            str(ROOT / "docs" / "zoo_repro.py"), model_type], cwd=tmp_path, env=env_for(tmp_path),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and says in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_diff_names_each_cell_whose_verdict_or_reason_moved(tmp_path):
+    """Two releases' zoo.json: a verdict that moved, and a skip whose reason changed, are each a line;
+    a cell that stayed as it was is not."""
+    def write(name, library_version, cells):
+        path = tmp_path / name
+        path.write_text(json.dumps({"library": "transformers", "transformers": library_version,
+                                    "cells": [dict(cell=c, verdict=v, why=w) for c, v, w in cells]}))
+        return path
+
+    old = write("old.json", "5.23.0", [("hfa-tp-tp2", "pass", ""), ("hfb-tp-tp2", "skip", "not built tiny: x"),
+                                       ("hfc-tp-tp2", "known", "bug"), ("hfd-tp-tp2", "skip", "no token ids")])
+    new = write("new.json", "5.24.0", [("hfa-tp-tp2", "pass", ""), ("hfb-tp-tp2", "skip", "not built tiny: y"),
+                                       ("hfc-tp-tp2", "fixed", "declared known (bug) but matches now"),
+                                       ("hfd-tp-tp2", "skip", "no token ids")])
+    done = subprocess.run([sys.executable, "-m", "harness.zoo", "diff", str(old), str(new)], cwd=tmp_path,
+                          env=env_for(tmp_path), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "transformers 5.23.0 -> 5.24.0: 2 cells changed",
+        "hfb-tp-tp2: skip, another reason: not built tiny: x -> not built tiny: y",
+        "hfc-tp-tp2: known -> fixed (declared known (bug) but matches now)"], done.stdout

@@ -107,7 +107,8 @@ def html(found: list[dict], versions: str, library: str = "transformers") -> str
 
 
 def changes(old: dict, new: dict) -> list[str]:
-    """What changed between two zoo.json files: each cell whose verdict moved, one line each."""
+    """What changed between two zoo.json files, one line per cell: its verdict moved, or it kept its
+    verdict for another reason (a skip's cause, a red's first line, a crash's cause)."""
     before = {r["cell"]: r for r in old["cells"]}
     after = {r["cell"]: r for r in new["cells"]}
     out = []
@@ -116,6 +117,8 @@ def changes(old: dict, new: dict) -> list[str]:
         if a is None or b is None or a["verdict"] != b["verdict"]:
             out.append(f"{cell}: {a['verdict'] if a else 'absent'} -> {b['verdict'] if b else 'absent'}"
                        + (f" ({b['why']})" if b and b["why"] else ""))
+        elif a["why"] != b["why"]:
+            out.append(f"{cell}: {b['verdict']}, another reason: {a['why'] or '(none)'} -> {b['why'] or '(none)'}")
     return out
 
 
