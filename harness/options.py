@@ -39,7 +39,8 @@ def add_options(parser) -> None:
                          "nightly run; also PARITYTEST_FULL_MATRIX=1)")
     group.addoption("--keep-pool", type=float, nargs="?", const=-1.0, default=None, metavar="SECONDS",
                     help="keep the pool's zygote (torch and third-party libraries imported) alive after the run, "
-                         "SECONDS idle (default 900, or $PARITYTEST_KEEP_POOL), and fork the next run's ranks from it")
+                         "SECONDS idle (default 900, or $PARITYTEST_KEEP_POOL), and fork the next run's ranks from it (one per "
+                         "checkout; checkouts that set the same $PARITYTEST_KEEP_POOL_SCOPE share one)")
     group.addoption("--stop-pool", action="store_true",
                     help="stop this checkout's kept pools (--keep-pool) and exit")
     group.addoption("--explore", type=int, default=0, metavar="N",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, own_pool_env
 
 DIR = "harness-pool-*"
 
@@ -82,7 +82,7 @@ def reap(tmpdir: Path) -> None:
 
 
 def user_env(tmpdir: Path) -> dict[str, str]:
-    return dict(os.environ, TMPDIR=str(tmpdir), PYTHONPATH=str(ROOT))
+    return own_pool_env(dict(os.environ, TMPDIR=str(tmpdir), PYTHONPATH=str(ROOT)))  # the pool the run starts
 
 
 @pytest.mark.slow

@@ -4,7 +4,8 @@ interpreter, the kept pool's socket directory and the temp directory private to 
 
 * an edit of a registered implementation between two runs against one kept pool is seen;
 * a kept pool exits after its idle timeout and leaves nothing: no process, no socket, no directory;
-* a kept pool is not used across checkouts; ``--stop-pool`` and ``python -m harness.pool stop``;
+* a kept pool is not used across checkouts, unless they name one ``PARITYTEST_KEEP_POOL_SCOPE``;
+  ``--stop-pool`` and ``python -m harness.pool stop``;
 * a client killed outright takes its ranks with it, and the kept pool serves the next run.
 """
 import json
@@ -56,8 +57,8 @@ def box(tmp_path):
     tmp.mkdir()
     env = dict(user_env(), XDG_RUNTIME_DIR=str(runtime), TMPDIR=str(tmp))
     yield {"runtime": runtime, "tmp": tmp, "env": env, "root": tmp_path}
-    for project in tmp_path.glob("project*"):  # whatever a failed test left running
-        subprocess.run([sys.executable, "-m", "harness.pool", "stop"], cwd=project, env=env, timeout=60)
+    # whatever a failed test left running: every kept pool in the test's own runtime directory
+    subprocess.run([sys.executable, "-m", "harness.pool", "stop", "--all"], cwd=tmp_path, env=env, timeout=60)
     shutil.rmtree(runtime, ignore_errors=True)
 
 
@@ -71,9 +72,12 @@ def status(project: Path, env: dict) -> dict | None:
     import torch first, longer than a short idle timeout)."""
     from harness.pool import kept
 
-    saved = {k: os.environ.get(k) for k in ("XDG_RUNTIME_DIR", "PYTEST_XDIST_WORKER")}
+    saved = {k: os.environ.get(k) for k in ("XDG_RUNTIME_DIR", "PYTEST_XDIST_WORKER", kept.SCOPE_ENV)}
     os.environ["XDG_RUNTIME_DIR"] = env["XDG_RUNTIME_DIR"]
     os.environ.pop("PYTEST_XDIST_WORKER", None)  # the runs in the project are not xdist workers
+    os.environ.pop(kept.SCOPE_ENV, None)
+    if env.get(kept.SCOPE_ENV):
+        os.environ[kept.SCOPE_ENV] = env[kept.SCOPE_ENV]
     try:
         return kept.status(str(project))
     finally:
@@ -193,7 +197,7 @@ def test_a_kept_pool_exits_after_its_idle_timeout_and_leaves_nothing(box):
 
 
 @pytest.mark.slow
-def test_a_kept_pool_belongs_to_one_checkout_and_stale_harness_files_restart_it(box, tmp_path):
+def test_a_kept_pool_belongs_to_one_checkout_or_scope_and_stale_harness_files_restart_it(box, tmp_path):
     a, b = make_project(box["root"] / "project_a"), make_project(box["root"] / "project_b")
     # harness files of this test's own: touching this checkout's would make a keeper of a test running
     # beside this one (on the other xdist worker) stale as well
@@ -219,6 +223,18 @@ def test_a_kept_pool_belongs_to_one_checkout_and_stale_harness_files_restart_it(
     assert wait_until(lambda: gone(fresh["pid"]) and gone(in_b["pid"]), 30)
     assert wait_until(lambda: left_in(box["runtime"]) == [], 10), left_in(box["runtime"] / "paritytest")
     assert left_in(box["tmp"]) == []
+
+    # checkouts that name one scope share its kept pool (a test suite's many small projects)
+    scoped = dict(env, PARITYTEST_KEEP_POOL_SCOPE="suite")
+    assert pytest_in(a, scoped, "-k", ONE_CELL).returncode == 0
+    assert pytest_in(b, scoped, "-k", ONE_CELL).returncode == 0
+    shared = status(b, scoped)
+    assert shared == status(a, scoped) and shared["runs"] == 2 * POOLS_PER_RUN, shared
+    assert status(a, env) is None  # the checkout's own is another
+    done = subprocess.run([sys.executable, "-m", "harness.pool", "stop"], cwd=a, env=scoped,
+                          capture_output=True, text=True, timeout=60)
+    assert "stopped 1 kept pool" in done.stderr, done.stderr
+    assert wait_until(lambda: gone(shared["pid"]) and left_in(box["runtime"]) == [], 30)
 
 
 @pytest.mark.slow

@@ -6,12 +6,9 @@ for and how to keep it; and a planted bug in the same function (FSDP over ``dp_r
 ``dp_shard_cp``: on ``dp=2`` nothing reduces the gradients) is red; a slice out of the mesh's order
 is told as that, not as a name to map. The function reads the running cell
 (``harness.model.running()``) too."""
-import subprocess
-import sys
 import textwrap
 
 from tests.conftest import flat
-from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
 
 MODEL = textwrap.dedent('''\
     import dataclasses
@@ -92,14 +89,11 @@ TEST = textwrap.dedent('''\
     ''')
 
 
-def test_a_torchtitan_named_parallelize_runs_unchanged(tmp_path):
-    for name, text in (("mymodel.py", MODEL), ("conftest.py", CONFTEST), ("test_mlp.py", TEST),
-                       ("pytest.ini", "[pytest]\n")):
-        (tmp_path / name).write_text(text)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--case-deadline", "120"],
-                          cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=600)
+def test_a_torchtitan_named_parallelize_runs_unchanged(user_project):
+    user_project.write({"mymodel.py": MODEL, "conftest.py": CONFTEST, "test_mlp.py": TEST})
+    done = user_project.pytest("--case-deadline", "120")
     out = done.stdout
-    assert done.returncode == 1 and "3 failed, 4 passed" in out, out[-5000:] + done.stderr[-2000:]
+    assert done.returncode == 1 and "3 failed, 4 passed" in out, done.tail
     for mesh in ("dp2", "rep2.dp2", "dp2.tp2", "tp2"):
         assert f"PASSED test_mlp.py::test_mlp[mlp-titan-{mesh}-" not in out  # -q: only failures are named
         assert f"test_mlp[mlp-titan-{mesh}-" not in out.split("short test summary")[1]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..config import Config, ConfigError
 from ..commands import harness_command, shown
+from ..pool.kept import KeptPoolError, idle_from_env
 from ..pool.parent import Pool, preloads, shared_pool
 from ..project import Project, load
 from ..screen import fitted
@@ -88,7 +89,7 @@ def check(args, project: Project) -> int:
         cfg = project.resolve(args.target)
     except ConfigError as error:
         return _usage(str(error))
-    pool = Pool(**_pool_options(args, [cfg]))
+    pool = Pool(**_pool_options(args, [cfg], project))
     try:
         trial = Trials(pool, quiet=True, max_trials=1).run(cfg)
     finally:
@@ -109,7 +110,7 @@ def run(args, project: Project) -> int:
     except ConfigError as error:
         return _usage(str(error))
     out = _out(args, project)
-    pool = shared_pool(**_pool_options(args, [original] if original else cells))
+    pool = shared_pool(**_pool_options(args, [original] if original else cells, project))
     started = time.monotonic()
     with open(out / "trials.jsonl", "w") as log:
         trials = Trials(None if args.oracle else pool, log, args.max_trials, args.max_seconds, args.oracle or None)
@@ -129,12 +130,14 @@ def run(args, project: Project) -> int:
     return code
 
 
-def _pool_options(args, cfgs: list[Config]) -> dict:
+def _pool_options(args, cfgs: list[Config], project: Project) -> dict:
     """The pool's options: its zygotes import the modules of ``cfgs``' components and
     implementations, which every trial shares (bisect changes sizes, meshes and switches, never
     them), not every registered one's: ``git bisect run`` starts a pool per commit, and transformers
-    and Megatron-Core take seconds to import."""
-    return dict(size=args.pool_size, deadline=args.case_deadline, **preloads(cfgs))
+    and Megatron-Core take seconds to import. With ``PARITYTEST_KEEP_POOL`` set, the project's kept
+    pool (as pytest's): each ``check`` of a ``git bisect run`` forks its ranks from it."""
+    return dict(size=args.pool_size, deadline=args.case_deadline, keep=idle_from_env(), root=str(project.rootdir),
+                **preloads(cfgs))
 
 
 def _first_failing(cells: list[Config], trials: Trials) -> Config | None:
@@ -221,7 +224,8 @@ def main(argv=None) -> int:
         return _usage("an oracle command needs a config id to start from, not a component")
     try:  # the implementations a conftest registers count only once pytest has loaded it, as it would here
         project = load()
-    except ConfigError as error:
+        idle_from_env()  # a bad PARITYTEST_KEEP_POOL is a usage error here, not a traceback at the first trial
+    except (ConfigError, KeptPoolError) as error:
         return _usage(str(error))
     if args.command == "check":
         return check(args, project)

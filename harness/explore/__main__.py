@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError
+from ..pool.kept import KeptPoolError, idle_from_env
 from ..pool.parent import DEFAULT_DEADLINE, DEFAULT_SIZE, shared_pool
 from ..project import Project, load
 from ..registry import COMPONENTS, get
@@ -87,13 +88,14 @@ def main(argv=None) -> int:
     try:
         project = load(Path.cwd())  # registrations in the conftest.py files here count
         chosen = targets(args.targets, project)
-    except ConfigError as error:
+        keep = idle_from_env()  # PARITYTEST_KEEP_POOL: the project's kept pool, as pytest's
+    except (ConfigError, KeptPoolError) as error:
         return _usage(str(error))
     db_path = project.rootdir / DATABASE if args.database is None else None if args.database == "none" else Path(args.database)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     budget = Budget(args.max_examples, args.max_seconds, args.shrink_seconds)
-    pool = shared_pool(size=args.pool_size, deadline=args.case_deadline)
+    pool = shared_pool(size=args.pool_size, deadline=args.case_deadline, keep=keep, root=str(project.rootdir))
     results: list[Exploration] = []
     try:
         with open(out / "trials.jsonl", "w") as log:

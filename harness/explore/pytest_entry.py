@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ..config import Config
+from ..options import keep_seconds
 from ..pool.parent import shared_pool
 from .runner import DATABASE, Budget, explore
 
@@ -26,7 +27,8 @@ class ExploreItem(pytest.Item):
     def runtest(self) -> None:
         config = self.config
         opt = config.getoption
-        pool = shared_pool(size=opt("--pool-size"), backend=opt("--backend"), deadline=opt("--case-deadline"))
+        pool = shared_pool(size=opt("--pool-size"), backend=opt("--backend"), deadline=opt("--case-deadline"),
+                           keep=keep_seconds(config), root=str(config.rootpath))
         writer = config.get_terminal_writer()
         database = Path(config.rootpath) / DATABASE
         database.mkdir(parents=True, exist_ok=True)

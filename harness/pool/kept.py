@@ -4,7 +4,8 @@ already imported torch and the selected third-party libraries.
 
 The *keeper* is that zygote. It listens on a Unix socket in a directory only this user can enter
 (``$XDG_RUNTIME_DIR/paritytest`` or ``<tmp>/paritytest-<uid>``, mode 0700), one per checkout,
-environment (``sys.prefix``, the interpreter) and xdist worker. For each pool a run asks for, it
+environment (``sys.prefix``, the interpreter) and xdist worker (or one per scope that
+``PARITYTEST_KEEP_POOL_SCOPE`` names, shared by the checkouts that name it). For each pool a run asks for, it
 forks a *run zygote* which takes the request's rank sockets and status pipe (passed as file
 descriptors), the run's working directory, environment and ``sys.path``, imports the project's own
 modules, forks the ranks (a fresh process group and store per run) and ends with the client's
@@ -44,6 +45,9 @@ import tempfile
 import time
 
 ENV = "PARITYTEST_KEEP_POOL"  # seconds a kept pool waits idle before it exits; unset, empty or 0: off
+# a name that makes the kept pools of every checkout that gives it one (per environment and xdist worker):
+# for many small projects run one after another (a test suite's), which would each start their own
+SCOPE_ENV = "PARITYTEST_KEEP_POOL_SCOPE"
 DEFAULT_IDLE = 900.0
 MAX_FDS = 64
 CONNECT_TIMEOUT = 300.0  # a keeper just started imports torch (and transformers) before it answers
@@ -97,7 +101,12 @@ def interpreter() -> str:
 
 
 def checkout_key(root: str) -> str:
-    text = "\0".join([os.path.realpath(root), sys.prefix, interpreter()])
+    """The name of ``root``'s kept pools: its checkout's, or the scope ``PARITYTEST_KEEP_POOL_SCOPE``
+    names, in this environment. (The keeper imports no project's code, only torch, the harness and
+    the third-party modules the runs ask for, so a scope shares those between its checkouts.)"""
+    scope = os.environ.get(SCOPE_ENV, "").strip()
+    where = f"scope:{scope}" if scope else os.path.realpath(root)
+    text = "\0".join([where, sys.prefix, interpreter()])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
