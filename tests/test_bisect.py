@@ -287,9 +287,9 @@ def test_bisects_pool_imports_the_targets_modules_not_every_registered_ones():
     from harness.bisect.__main__ import _pool_options
 
     ours = Config.parse("tp-ours-tp4-fp32-op_mlp-b4.f32.h16.s8.v40-seed0")
-    options = _pool_options(Namespace(pool_size=4, case_deadline=30.0), [ours])
+    options = _pool_options(Namespace(pool_size=4, case_deadline=30.0), [ours], ROOT)
     assert "harness.parallel.tp" in options["preload"] and "reference.tp" in options["alone_preload"]
     heavy = {"harness.parallel.tp_megatron", "harness.parallel.tp_hf", "harness.examples.hf"}
     assert not heavy & (set(options["preload"]) | set(options["alone_preload"])), options
     llama = Config.parse("llama-tp-tp2-fp32-plain-steps3-seed0")
-    assert "harness.examples.hf" in _pool_options(Namespace(pool_size=4, case_deadline=30.0), [llama])["preload"]
+    assert "harness.examples.hf" in _pool_options(Namespace(pool_size=4, case_deadline=30.0), [llama], ROOT)["preload"]

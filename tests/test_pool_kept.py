@@ -174,6 +174,19 @@ def test_an_edit_of_a_registered_implementation_is_seen_by_the_next_run_on_a_kep
     assert third.returncode == 0 and "1 passed" in third.stdout, third.stdout[-3000:]
     assert status(project, env)["pid"] == kept["pid"]
 
+    # python -m harness.bisect forks from the same kept pool (each check of a git bisect run), and
+    # says which value it cannot read
+    def bisect(*args: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "harness.bisect", *args], cwd=project, env=dict(env, **extra),
+                              capture_output=True, text=True, timeout=300)
+
+    check = bisect("check", "tp-mine-tp2-fp32-op_colshard-b4.f32.h16.s8.v40-seed0")
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert status(project, env)["pid"] == kept["pid"] and status(project, env)["runs"] > 3 * POOLS_PER_RUN
+    wrong = bisect("check", "tp-mine-tp2-fp32-op_colshard-b4.f32.h16.s8.v40-seed0", PARITYTEST_KEEP_POOL="soon")
+    assert wrong.returncode == 2 and "PARITYTEST_KEEP_POOL='soon'" in wrong.stderr, wrong.stderr
+    assert "Traceback" not in wrong.stderr
+
     stopped = pytest_in(project, env, "--stop-pool")
     assert stopped.returncode == 0 and "stopped 1 kept pool" in stopped.stdout + stopped.stderr, stopped
     assert wait_until(lambda: gone(kept["pid"]), 30)

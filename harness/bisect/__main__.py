@@ -89,7 +89,7 @@ def check(args, project: Project) -> int:
         cfg = project.resolve(args.target)
     except ConfigError as error:
         return _usage(str(error))
-    pool = Pool(**_pool_options(args, [cfg], project))
+    pool = Pool(**_pool_options(args, [cfg], project.rootdir))
     try:
         trial = Trials(pool, quiet=True, max_trials=1).run(cfg)
     finally:
@@ -110,7 +110,7 @@ def run(args, project: Project) -> int:
     except ConfigError as error:
         return _usage(str(error))
     out = _out(args, project)
-    pool = shared_pool(**_pool_options(args, [original] if original else cells, project))
+    pool = shared_pool(**_pool_options(args, [original] if original else cells, project.rootdir))
     started = time.monotonic()
     with open(out / "trials.jsonl", "w") as log:
         trials = Trials(None if args.oracle else pool, log, args.max_trials, args.max_seconds, args.oracle or None)
@@ -130,13 +130,13 @@ def run(args, project: Project) -> int:
     return code
 
 
-def _pool_options(args, cfgs: list[Config], project: Project) -> dict:
+def _pool_options(args, cfgs: list[Config], root: Path) -> dict:
     """The pool's options: its zygotes import the modules of ``cfgs``' components and
     implementations, which every trial shares (bisect changes sizes, meshes and switches, never
     them), not every registered one's: ``git bisect run`` starts a pool per commit, and transformers
-    and Megatron-Core take seconds to import. With ``PARITYTEST_KEEP_POOL`` set, the project's kept
-    pool (as pytest's): each ``check`` of a ``git bisect run`` forks its ranks from it."""
-    return dict(size=args.pool_size, deadline=args.case_deadline, keep=idle_from_env(), root=str(project.rootdir),
+    and Megatron-Core take seconds to import. With ``PARITYTEST_KEEP_POOL`` set, the kept pool of
+    ``root``, the project's (as pytest's): each ``check`` of a ``git bisect run`` forks its ranks from it."""
+    return dict(size=args.pool_size, deadline=args.case_deadline, keep=idle_from_env(), root=str(root),
                 **preloads(cfgs))
 
 
