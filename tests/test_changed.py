@@ -5,17 +5,15 @@ a package's ``__init__`` that runs for it) every cell; a changed golden file its
 is a usage error naming the fix."""
 import re
 import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.project import ROOT, UserProject
 
 
 @pytest.fixture(scope="module")
-def clone(tmp_path_factory):
+def clone(tmp_path_factory) -> UserProject:
     where = tmp_path_factory.mktemp("changed") / "repo"
     subprocess.run(["git", "clone", "-q", "--local", str(ROOT), str(where)], check=True)
     # the working tree's own state, committed in the clone: what a pull request's head holds
@@ -27,26 +25,25 @@ def clone(tmp_path_factory):
             (where / name).write_bytes((ROOT / name).read_bytes())
     for cmd in (["add", "-A"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "head"]):
         subprocess.run(["git", *cmd], cwd=where, check=True)
-    return where
+    return UserProject(where, ini=False)
 
 
-def selected(clone: Path, *args: str) -> tuple[Counter, str]:
+def selected(clone: UserProject, *args: str) -> tuple[Counter, str]:
     """Cells by component that ``pytest cases/ --collect-only`` selects with ``args``, and its output."""
-    done = subprocess.run([sys.executable, "-m", "pytest", "cases/", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           *args], cwd=clone, capture_output=True, text=True, timeout=300)
+    done = clone.pytest("cases/", "--collect-only", *args, timeout=300)
     ids = re.findall(r"^cases/\S+::\w+\[([a-z0-9]+)-", done.stdout, re.M)
     return Counter(ids), done.stdout + done.stderr
 
 
-def changing(clone: Path, path: str, text: str = "\n# a change\n"):
+def changing(clone: UserProject, path: str, text: str = "\n# a change\n"):
     """Append ``text`` to ``path`` in the clone's working tree; undone by the returned function."""
-    file = clone / path
+    file = clone.path / path
     before = file.read_bytes()
     file.write_bytes(before + text.encode())
     return lambda: file.write_bytes(before)
 
 
-def selected_after(clone: Path, path: str) -> tuple[Counter, str]:
+def selected_after(clone: UserProject, path: str) -> tuple[Counter, str]:
     """:func:`selected` with ``--changed HEAD`` after a change to ``path``, undone after."""
     undo = changing(clone, path)
     try:
@@ -91,8 +88,8 @@ def test_a_package_init_runs_for_every_module_under_it(clone):
 
 
 def test_a_changed_golden_selects_its_cell_and_docs_select_none(clone):
-    golden = sorted((clone / "golden" / "tp").glob("*.safetensors"))[0]
-    undo = [changing(clone, str(golden.relative_to(clone)), ""), changing(clone, "docs/ci.md")]
+    golden = sorted((clone.path / "golden" / "tp").glob("*.safetensors"))[0]
+    undo = [changing(clone, str(golden.relative_to(clone.path)), ""), changing(clone, "docs/ci.md")]
     golden.write_bytes(golden.read_bytes() + b"\0")
     try:
         cells, out = selected(clone, "--changed", "HEAD")
@@ -111,15 +108,14 @@ def test_a_ref_git_does_not_know_is_a_usage_error(clone):
 def test_a_change_that_moves_nothing_passes_and_says_so_under_xdist(clone):
     # a pull request that touches docs only, with exploration's output lying in the checkout
     undo = changing(clone, "README.md")
-    (clone / "explore-out").mkdir(exist_ok=True)
-    (clone / "explore-out" / "result.json").write_text("[]\n")
+    (clone.path / "explore-out").mkdir(exist_ok=True)
+    (clone.path / "explore-out" / "result.json").write_text("[]\n")
     try:
-        done = subprocess.run([sys.executable, "-m", "pytest", "cases/", "-n", "2", "-p", "no:cacheprovider",
-                               "--changed", "HEAD"], cwd=clone, capture_output=True, text=True, timeout=600)
+        done = clone.run("python", "-m", "pytest", "cases/", "-n", "2", "-p", "no:cacheprovider", "--changed", "HEAD")
     finally:
         undo()
-        (clone / "explore-out" / "result.json").unlink()
+        (clone.path / "explore-out" / "result.json").unlink()
     out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-3000:]  # not pytest's 5: the gate's step passes
-    assert "--changed: 1 files changed (0 modules, 0 golden files)" in out, out[-3000:]  # README alone, said under -n
-    assert "--changed HEAD: the change moves no cell and no test: nothing to run (exit 0)" in out, out[-3000:]
+    assert done.returncode == 0, done.tail  # not pytest's 5: the gate's step passes
+    assert "--changed: 1 files changed (0 modules, 0 golden files)" in out, done.tail  # README alone, said under -n
+    assert "--changed HEAD: the change moves no cell and no test: nothing to run (exit 0)" in out, done.tail

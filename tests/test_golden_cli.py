@@ -1,6 +1,5 @@
 """python -m harness.golden diff / check, in temporary git clones and projects."""
 import math
-import os
 import shlex
 import shutil
 import subprocess
@@ -14,21 +13,15 @@ from safetensors.torch import load_file, save_file
 from harness.config import Config
 from harness.golden.store import META_KEY
 from harness.resolve import resolve
-
-from .ci_project import ROOT, run_project
+from tests.project import ROOT, UserProject
 
 
 def git(cwd, *args):
     return subprocess.run(["git", "-C", str(cwd), *args], check=True, capture_output=True, text=True).stdout
 
 
-def golden_cli(cwd, *args, env=None):
-    return subprocess.run([sys.executable, "-m", "harness.golden", *args], cwd=cwd, capture_output=True, text=True,
-                          env=env)
-
-
 @pytest.fixture
-def clone(tmp_path):
+def clone(tmp_path) -> UserProject:
     """A clone of this checkout's committed state, with a local main at its HEAD."""
     path = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(ROOT), str(path)], check=True)
@@ -36,7 +29,7 @@ def clone(tmp_path):
     git(path, "config", "user.name", "test")
     git(path, "checkout", "-q", "-B", "main")
     git(path, "checkout", "-q", "-b", "pr")
-    return path
+    return UserProject(path, ini=False)
 
 
 def rewrite(path: Path, change) -> tuple[str, float, float]:
@@ -56,7 +49,7 @@ def rewrite(path: Path, change) -> tuple[str, float, float]:
 
 
 def test_diff_lists_exactly_the_three_rewritten_goldens_with_their_largest_changes(clone):
-    goldens = sorted((clone / "golden" / "tp").glob("*fp32*"))[:40]
+    goldens = sorted((clone.path / "golden" / "tp").glob("*fp32*"))[:40]
     a, b, c = goldens[3], goldens[17], goldens[31]
 
     def nudge(t):  # one element by one ulp: not bit-identical, well within tolerance
@@ -68,8 +61,8 @@ def test_diff_lists_exactly_the_three_rewritten_goldens_with_their_largest_chang
         return t
 
     planted = {a.name: rewrite(a, nudge), b.name: rewrite(b, bump), c.name: rewrite(c, lambda t: t * 1.25)}
-    git(clone, "commit", "-qam", "rewrite three goldens")
-    done = golden_cli(clone, "diff")  # the default base: the merge base with main
+    git(clone.path, "commit", "-qam", "rewrite three goldens")
+    done = clone.harness("golden", "diff")  # the default base: the merge base with main
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert out.splitlines()[0].startswith("3 golden files changed, 0 added, 0 removed since ")
@@ -91,16 +84,16 @@ def test_diff_lists_exactly_the_three_rewritten_goldens_with_their_largest_chang
         assert cells[6] == ("yes" if name == a.name else "**no**"), (name, tol)
 
     # uncommitted: one removed, one added (a copy under a new name), the committed three still listed
-    (clone / "golden" / "tp" / goldens[5].name).unlink()
-    shutil.copy(goldens[6], clone / "golden" / "tp" / "tp-new-tp1-fp32-op_mlp-b4-seed0.safetensors")
-    out = golden_cli(clone, "diff", "main").stdout
+    (clone.path / "golden" / "tp" / goldens[5].name).unlink()
+    shutil.copy(goldens[6], clone.path / "golden" / "tp" / "tp-new-tp1-fp32-op_mlp-b4-seed0.safetensors")
+    out = clone.harness("golden", "diff", "main").stdout
     assert out.splitlines()[0].startswith("3 golden files changed, 1 added, 1 removed")
     assert f"- `golden/tp/{goldens[5].name}`" in out.split("removed:")[1]
     assert "- `golden/tp/tp-new-tp1-fp32-op_mlp-b4-seed0.safetensors`" in out.split("added:")[1]
 
     # against the commit that holds the three, only the uncommitted changes are left
-    assert golden_cli(clone, "diff", "HEAD").stdout.startswith("0 golden files changed, 1 added, 1 removed")
-    bad = golden_cli(clone, "diff", "no-such-rev")
+    assert clone.harness("golden", "diff", "HEAD").stdout.startswith("0 golden files changed, 1 added, 1 removed")
+    bad = clone.harness("golden", "diff", "no-such-rev")
     assert bad.returncode == 2 and "'no-such-rev' is not a revision of this repository" in bad.stderr
 
 
@@ -116,16 +109,17 @@ def test_diff_finds_the_base_of_a_repository_whose_default_branch_is_master(tmp_
     subprocess.run(["git", "clone", "-q", str(origin), str(work)], check=True)
     git(work, "checkout", "-q", "-b", "pr")
     assert "main" not in git(work, "branch", "-a"), git(work, "branch", "-a")
-    done = golden_cli(work, "diff", env={k: v for k, v in os.environ.items() if k != "GITHUB_BASE_REF"})
-    assert done.returncode == 0 and done.stdout.startswith("no golden file changed since "), done.stdout + done.stderr
+    project = UserProject(work, ini=False)
+    done = project.harness("golden", "diff", env={k: v for k, v in project.env().items() if k != "GITHUB_BASE_REF"})
+    assert done.returncode == 0 and done.stdout.startswith("no golden file changed since "), done.tail
     # as in a pull request's workflow run, whatever origin's HEAD says
     git(work, "remote", "set-head", "origin", "--delete")
-    done = golden_cli(work, "diff", env=dict(os.environ, GITHUB_BASE_REF="master"))
-    assert done.returncode == 0 and done.stdout.startswith("no golden file changed since "), done.stdout + done.stderr
+    done = project.harness("golden", "diff", env=project.env(GITHUB_BASE_REF="master"))
+    assert done.returncode == 0 and done.stdout.startswith("no golden file changed since "), done.tail
 
 
 def test_diff_on_an_unchanged_tree_says_so(clone):
-    done = golden_cli(clone, "diff")
+    done = clone.harness("golden", "diff")
     assert done.returncode == 0 and done.stdout.startswith("no golden file changed since ")
 
 
@@ -144,20 +138,20 @@ def test_tp(cfg, parity):
 '''
 
 
-def test_check_lists_orphans_gaps_and_unreadable_goldens_and_fails_on_them(tmp_path):
-    (tmp_path / "test_cells.py").write_text(CASES)
-    (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    (tmp_path / "skipper.py").write_text("def skip(cfg):\n    return 'not here' if cfg.mesh == (('tp', 2),) else None\n")
-    (tmp_path / "conftest.py").write_text("from harness.registry import register_implementation\n"
-                                          "register_implementation('tp', 'mine', 'harness.parallel.tp:run', skip='skipper:skip')\n")
-    assert run_project(tmp_path).returncode == 0  # writes the goldens of the 3 cells that run
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
-    done = golden_cli(tmp_path, "check", env=env)
-    assert done.returncode == 0, done.stdout + done.stderr
+def test_check_lists_orphans_gaps_and_unreadable_goldens_and_fails_on_them(user_project):
+    user_project.write({
+        "test_cells.py": CASES,
+        "skipper.py": "def skip(cfg):\n    return 'not here' if cfg.mesh == (('tp', 2),) else None\n",
+        "conftest.py": "from harness.registry import register_implementation\n"
+                       "register_implementation('tp', 'mine', 'harness.parallel.tp:run', skip='skipper:skip')\n"})
+    # writes the goldens of the 3 cells that run
+    assert user_project.run("python", "-m", "pytest", "-p", "no:cacheprovider", "--pool-size", "4").returncode == 0
+    done = user_project.harness("golden", "check")
+    assert done.returncode == 0, done.tail
     assert done.stdout.splitlines()[0] == "3 golden files, 4 collected cells: OK"
     assert "1 cells skipped on this machine have no golden file" in done.stdout
 
-    tp = tmp_path / "golden" / "tp"
+    tp = user_project.path / "golden" / "tp"
     gap = tp / "tp-ours-tp2-fp32-op_mlp-b4.f32.h16.s8.v40-seed0.safetensors"
     orphan = tp / "tp-ours-tp4-fp32-op_mlp-b4.f32.h16.s8.v40-seed0.safetensors"
     gap.rename(orphan)  # its cell lacks it, and it belongs to no cell (its metadata is fixed below)
@@ -165,7 +159,7 @@ def test_check_lists_orphans_gaps_and_unreadable_goldens_and_fails_on_them(tmp_p
     save_file(data, orphan, metadata={META_KEY: '{"config": "%s"}' % orphan.name[: -len(".safetensors")]})
     corrupt = tp / "tp-ours-tp1-fp32-op_mlp-b4.f32.h16.s8.v40-seed0.safetensors"
     corrupt.write_bytes(corrupt.read_bytes()[:50])
-    done = golden_cli(tmp_path, "check", env=env)
+    done = user_project.harness("golden", "check")
     assert done.returncode == 1
     lines = done.stdout.splitlines()
     # the corrupt file is one problem (unreadable), not also a gap of its cell
@@ -184,13 +178,14 @@ def test_check_lists_orphans_gaps_and_unreadable_goldens_and_fails_on_them(tmp_p
 
 
 def test_diff_outside_a_git_repository_is_one_line_naming_the_fix(tmp_path):
-    done = golden_cli(tmp_path, "diff")
+    project = UserProject(tmp_path / "project", ini=False)
+    done = project.harness("golden", "diff")
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr == (f"golden diff: {tmp_path} is not in a git repository, and diff compares golden files with a "
-                           "git revision: run it from inside the checkout whose golden/ you changed\n")
+    assert done.stderr == (f"golden diff: {project.path} is not in a git repository, and diff compares golden files "
+                           "with a git revision: run it from inside the checkout whose golden/ you changed\n")
 
 
 def test_check_passes_on_this_repository():
-    done = golden_cli(ROOT, "check")
+    done = subprocess.run([sys.executable, "-m", "harness.golden", "check"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.splitlines()[0].endswith(": OK")

@@ -2,13 +2,10 @@
 with its q/k norm rules overridden to ``replicate`` (plain weights, no gradient all-reduce, though each
 rank's norms see only its own heads) is named at the q/k norms as a missing all-reduce over tp, in
 the same words by pytest, bisect and exploration."""
-import subprocess
-import sys
-
 import pytest
 
 from tests.conftest import flat
-from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
+from tests.project import UserProject
 
 CASE = '''
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -62,24 +59,20 @@ NEXT = ("model.layers.1.self_attn.q_norm.weight (module model.layers.1.self_attn
 
 @pytest.mark.slow
 def test_q_and_k_norms_left_plain_under_tp_are_named_alike_by_pytest_bisect_and_explore(tmp_path):
-    for name, text in (("qwen3case.py", CASE), ("conftest.py", CONFTEST), ("test_qwen3.py", TEST)):
-        (tmp_path / name).write_text(text)
+    project = UserProject(tmp_path / "project", {"qwen3case.py": CASE, "conftest.py": CONFTEST, "test_qwen3.py": TEST},
+                          ini=False)
 
-    def run(*args):
-        return subprocess.run([sys.executable, *args], cwd=tmp_path, env=env_for(tmp_path), capture_output=True,
-                              text=True, timeout=600)
-
-    tested = run("-m", "pytest", "-q", "-p", "no:cacheprovider", "--case-deadline", "120")
-    assert tested.returncode == 1 and "1 failed, 1 passed" in tested.stdout, tested.stdout[-4000:]
+    tested = project.pytest("--case-deadline", "120")
+    assert tested.returncode == 1 and "1 failed, 1 passed" in tested.stdout, tested.tail
     assert "FAILED test_qwen3.py::test_qwen3[qwen3-plainnorms-tp2-fp32-plain-steps3-seed0]" in tested.stdout
     assert LINE in flat(tested.stdout) and NEXT in flat(tested.stdout), tested.stdout[-4000:]
 
-    bisected = run("-m", "harness.bisect", "run", "qwen3-plainnorms-tp2-fp32-plain-steps3-seed0", "--out",
-                   str(tmp_path / "bisect-out"))
+    bisected = project.harness("bisect", "run", "qwen3-plainnorms-tp2-fp32-plain-steps3-seed0", "--out",
+                               str(project.path / "bisect-out"))
     assert bisected.returncode == 1 and "essential: tp=2" in bisected.stdout, bisected.stdout + bisected.stderr
     assert LINE in flat(bisected.stdout), bisected.stdout
 
-    explored = run("-m", "harness.explore", "qwen3:plainnorms", "--seed", "0", "--max-examples", "20",
-                   "--database", "none", "--pool-size", "2", "--out", str(tmp_path / "explore-out"))
+    explored = project.harness("explore", "qwen3:plainnorms", "--seed", "0", "--max-examples", "20",
+                               "--database", "none", "--pool-size", "2", "--out", str(project.path / "explore-out"))
     assert explored.returncode == 1 and "essential: tp=2" in explored.stdout, explored.stdout + explored.stderr
     assert LINE in flat(explored.stdout), explored.stdout

@@ -1,11 +1,8 @@
 """Every bad mesh string a user may type gets one line that names the problem and the fix, from
 the command they type (pytest collecting ``model_cells``), never a traceback."""
-import subprocess
-import sys
-
 import pytest
 
-from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
+from tests.project import UserProject
 
 BAD = [
     ("dp=2;tp=2", "mesh 'dp=2;tp=2': separate its dims with commas, e.g. 'dp=2,tp=2'"),
@@ -34,10 +31,9 @@ def test_cell(cfg, parity):
 
 @pytest.mark.parametrize("mesh, line", BAD, ids=[m for m, _ in BAD])
 def test_a_bad_mesh_string_is_one_line_with_the_fix(tmp_path, mesh, line):
-    (tmp_path / "test_cells.py").write_text(TEST.format(mesh=mesh))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=tmp_path,
-                          env=env_for(tmp_path), capture_output=True, text=True, timeout=300)
+    project = UserProject(tmp_path / "project", {"test_cells.py": TEST.format(mesh=mesh)}, ini=False)
+    done = project.pytest(timeout=300)
     out = done.stdout + done.stderr
-    assert done.returncode != 0 and line in out, out[-3000:]
-    assert "INTERNALERROR" not in out and "invalid literal" not in out, out[-3000:]
-    assert "harness/" not in out.replace("(harness.names)", ""), out[-3000:]  # the user's line, not our frames
+    assert done.returncode != 0 and line in out, done.tail
+    assert "INTERNALERROR" not in out and "invalid literal" not in out, done.tail
+    assert "harness/" not in out.replace("(harness.names)", ""), done.tail  # the user's line, not our frames

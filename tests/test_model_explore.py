@@ -8,12 +8,9 @@ with ``harness.model.switches()``), parallelized by the team's own plan, whose f
 SiLU blocks leaves the row-parallel output as partial sums.
 """
 import json
-import subprocess
-import sys
 import textwrap
 
 from tests.conftest import flat
-from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
 
 CASE = 'import torch\nimport torch.nn.functional as F\nfrom torch import nn\nfrom torch.distributed.fsdp import fully_shard\nfrom torch.distributed.tensor import Partial\nfrom torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module\n\nfrom harness.model import ModelCase, switches\n\n\ndef build():\n    bias = switches()["bias"] == "on"\n    act = nn.SiLU() if switches()["act"] == "silu" else nn.GELU()\n    return nn.Sequential(nn.Linear(16, 32, bias=bias), act, nn.Linear(32, 16, bias=bias))\n\n\ndef batch(step):\n    g = torch.Generator().manual_seed(step)\n    return {"input": torch.randn(8, 16, generator=g), "target": torch.randn(8, 16, generator=g)}\n\n\ndef parallelize(model, meshes):\n    if meshes.spec.tp > 1:\n        # the team\'s fast path for bias-free SiLU blocks leaves fc2\'s output as partial sums\n        fast = switches()["act"] == "silu" and switches()["bias"] == "off"\n        row = RowwiseParallel(output_layouts=Partial()) if fast else RowwiseParallel()\n        parallelize_module(model, meshes.dense["tp"], {"0": ColwiseParallel(), "2": row})\n    if meshes.spec.dp > 1:\n        fully_shard(model, mesh=meshes.dense["dp"])\n    return model\n\n\ndef tp_and_dp(spec):\n    if spec.pp > 1 or spec.cp > 1 or spec.rep > 1:\n        return "tp and dp only"\n    return None if 16 % spec.tp == 0 else f"tp={spec.tp} does not divide the 16 features"\n\n\nCASE = ModelCase(build=build, batch=batch, loss=lambda out, b: F.mse_loss(out, b["target"]),\n                 parallelize={"mine": parallelize}, supports={"mine": tp_and_dp},\n                 switches={"act": ("gelu", "silu"), "bias": ("on", "off")})\n'
 CONFTEST = 'from harness.model import register_model\n\nregister_model("mlp", "mlpcase:CASE")\n'
@@ -31,24 +28,15 @@ TEST = textwrap.dedent("""\
     """)
 
 
-def project(root):
-    for name, text in (("mlpcase.py", CASE), ("conftest.py", CONFTEST), ("test_mlp.py", TEST),
-                       ("pytest.ini", "[pytest]\n")):
-        (root / name).write_text(text)
-    return root
-
-
-def test_the_fixed_cells_pass_and_exploring_the_switches_finds_shrinks_and_prints_the_cell(tmp_path):
-    root = project(tmp_path)
-    fixed = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--case-deadline", "120"],
-                           cwd=root, env=env_for(root), capture_output=True, text=True, timeout=600)
-    assert fixed.returncode == 0 and "2 passed" in fixed.stdout, fixed.stdout[-3000:] + fixed.stderr[-2000:]
+def test_the_fixed_cells_pass_and_exploring_the_switches_finds_shrinks_and_prints_the_cell(user_project):
+    user_project.write({"mlpcase.py": CASE, "conftest.py": CONFTEST, "test_mlp.py": TEST})
+    fixed = user_project.pytest("--case-deadline", "120")
+    assert fixed.returncode == 0 and "2 passed" in fixed.stdout, fixed.tail
 
     # the default budget (100 examples, 300 s); seeded, so that the search is the same every run
-    found = subprocess.run([sys.executable, "-m", "harness.explore", "mlp:mine", "--pool-size", "4", "--seed", "0",
-                            "--out", str(tmp_path / "out"), "--case-deadline", "120"],
-                           cwd=root, env=env_for(root), capture_output=True, text=True, timeout=900)
-    assert found.returncode == 1, found.stdout[-3000:] + found.stderr[-3000:]
+    found = user_project.harness("explore", "mlp:mine", "--pool-size", "4", "--seed", "0",
+                                 "--out", str(user_project.path / "out"), "--case-deadline", "120", timeout=900)
+    assert found.returncode == 1, found.tail
     cell = "mlp-mine-tp2-fp32-act_silu.bias_off-steps1-seed0"
     assert f"mlp:mine: found {cell} fails with mismatch" in found.stdout, found.stdout[-3000:]
     assert "essential: tp=2, act=silu, bias=off" in found.stdout
@@ -58,5 +46,5 @@ def test_the_fixed_cells_pass_and_exploring_the_switches_finds_shrinks_and_print
             "unreduced") in flat(found.stdout), found.stdout[-3000:]
     assert "where it starts: fwd module microbatch=0 module=2 step=1: its inputs match the reference" in flat(found.stdout)
     assert f'CELLS.append(Config.parse("{cell}"))' in found.stdout
-    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    result = json.loads((user_project.path / "out" / "result.json").read_text())
     assert result[0]["minimal"] == cell

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.checkout import copy_checkout
+from tests.project import UserProject
 
 OWN_NAMES = {"harness", "reference"}
 
@@ -61,22 +62,14 @@ def test_the_distribution_installs_only_the_projects_own_top_level_names(install
 
 
 def test_a_users_own_models_and_parallel_packages_are_never_shadowed(installed, tmp_path):
-    project = tmp_path / "userproj"
-    for name, text in USER_FILES.items():
-        path = project / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+    project = UserProject(tmp_path / "userproj", USER_FILES)
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(installed)}
 
-    under_pytest = subprocess.run([sys.executable, "-m", "pytest", "tests_user", "-q", "-p", "no:cacheprovider"],
-                                  cwd=project, env=env, capture_output=True, text=True, timeout=300)
-    assert under_pytest.returncode == 0, under_pytest.stdout[-3000:] + under_pytest.stderr[-2000:]
+    under_pytest = project.pytest("tests_user", env=env, timeout=300)
+    assert under_pytest.returncode == 0, under_pytest.tail
     assert "1 passed" in under_pytest.stdout
 
-    elsewhere = tmp_path / "scripts"
-    elsewhere.mkdir()
-    (elsewhere / "train.py").write_text(SCRIPT.format(project=str(project)))
-    script = subprocess.run([sys.executable, "train.py"], cwd=elsewhere, env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert script.returncode == 0, script.stderr[-3000:]
+    elsewhere = UserProject(tmp_path / "scripts", {"train.py": SCRIPT.format(project=str(project.path))}, ini=False)
+    script = elsewhere.run("python", "train.py", env=env, timeout=300)
+    assert script.returncode == 0, script.tail
     assert script.stdout.strip() == "the user tinylm | the user parallel"

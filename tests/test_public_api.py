@@ -5,11 +5,11 @@ the page, so the page cannot fall behind them."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import pytest
+
+from tests.project import ROOT, UserProject
+
 PAGE = ROOT / "docs" / "api.md"
 
 
@@ -28,34 +28,35 @@ def commands(text: str) -> list[str]:
     return re.findall(r"^\| `python -m ([\w.]+)`", text.split("## Commands", 1)[1], re.M)
 
 
-def test_every_name_on_the_page_imports(tmp_path):
+@pytest.fixture
+def project(tmp_path):
+    """A directory of the user's own, without a pytest.ini."""
+    return UserProject(tmp_path / "project", ini=False)
+
+
+def test_every_name_on_the_page_imports(project):
     listed = names(PAGE.read_text())
     assert len(listed) >= 8 and "harness.model" in listed
     script = "\n".join(f"from {module} import {', '.join(found)}" for module, found in listed.items())
-    done = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", script], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = project.run("python", "-W", "error::DeprecationWarning", "-c", script, timeout=300)
+    assert done.returncode == 0, done.tail
 
 
-def test_every_command_on_the_page_answers_help(tmp_path):
+def test_every_command_on_the_page_answers_help(project):
     found = commands(PAGE.read_text())
     assert len(found) >= 7
     for module in found:
-        done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=300)
-        assert done.returncode == 0 and "usage" in done.stdout.lower(), (module, done.stdout[-500:], done.stderr[-2000:])
+        done = project.run("python", "-m", module, "--help", timeout=300)
+        assert done.returncode == 0 and "usage" in done.stdout.lower(), (module, done.tail)
 
 
-def test_every_pytest_option_and_fixture_on_the_page_is_there(tmp_path):
+def test_every_pytest_option_and_fixture_on_the_page_is_there(user_project):
     text = PAGE.read_text().split("## pytest", 1)[1]
     options = re.findall(r"`(--[\w-]+)`", text)
     fixtures = re.findall(r"`(\w+)`", text.split("Fixtures:", 1)[1])
-    (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    shown = subprocess.run([sys.executable, "-m", "pytest", "--help", "-p", "no:cacheprovider"], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=300).stdout
+    shown = user_project.run("python", "-m", "pytest", "--help", "-p", "no:cacheprovider", timeout=300).stdout
     assert len(options) >= 10 and all(o in shown for o in options), [o for o in options if o not in shown]
-    listed = subprocess.run([sys.executable, "-m", "pytest", "--fixtures", "-p", "no:cacheprovider"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300).stdout
+    listed = user_project.run("python", "-m", "pytest", "--fixtures", "-p", "no:cacheprovider", timeout=300).stdout
     assert fixtures and all(re.search(rf"^{f}\b", listed, re.M) for f in fixtures), listed[-2000:]
 
 
@@ -75,8 +76,7 @@ def test_what_the_docs_import_is_on_the_page():
     assert not missing, missing
 
 
-def test_a_name_dropped_from_the_code_fails(tmp_path):
+def test_a_name_dropped_from_the_code_fails(project):
     """The import check can fail: a name the code does not have is an ImportError."""
-    done = subprocess.run([sys.executable, "-c", "from harness.model import ModelCaseOld"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    done = project.run("python", "-c", "from harness.model import ModelCaseOld", timeout=300)
     assert done.returncode != 0 and "ImportError" in done.stderr

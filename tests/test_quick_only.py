@@ -2,14 +2,11 @@
 shorter twin of a matrix cell (here smaller sizes) that ``--quick`` runs in its place, that the whole
 matrix leaves out, and that runs when named by its node id; and under ``-n``, cells handed to the
 workers one at a time unless the user chose a chunk."""
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.project import Run, UserProject
 
 CASES = textwrap.dedent('''\
     import pytest
@@ -30,19 +27,15 @@ FULL_COLGATHER = "test_cells.py::test_tp[tp-ours-tp2-fp32-op_colgather-b4.f32.h1
 
 
 @pytest.fixture
-def project(tmp_path):
-    (tmp_path / "test_cells.py").write_text(CASES)
-    return tmp_path
+def project(tmp_path) -> UserProject:
+    return UserProject(tmp_path / "project", {"test_cells.py": CASES}, ini=False)
 
 
-def pytest_in(project, *args) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pool-size", "2",
-                           "--golden-dir", str(project / "golden"), "-rA", *args],
-                          cwd=project, env=env, capture_output=True, text=True, timeout=300)
+def pytest_in(project: UserProject, *args) -> Run:
+    return project.pytest("--pool-size", "2", "--golden-dir", str(project.path / "golden"), "-rA", *args, timeout=300)
 
 
-def passed(run: subprocess.CompletedProcess) -> set[str]:
+def passed(run: Run) -> set[str]:
     return {line.split(" ", 1)[1] for line in run.stdout.splitlines() if line.startswith("PASSED ")}
 
 
@@ -61,10 +54,10 @@ def test_quick_runs_the_twin_in_place_of_its_cell_and_the_matrix_runs_the_cell(p
 
 @pytest.mark.parametrize("given, chunk", [((), "1"), (("--maxschedchunk", "3"), "3")])
 def test_workers_get_one_cell_at_a_time_unless_the_user_chose(project, given, chunk):
-    (project / "conftest.py").write_text(textwrap.dedent('''\
+    project.write({"conftest.py": '''\
         def pytest_sessionfinish(session):
             if not hasattr(session.config, "workerinput"):  # xdist's controller, which schedules
                 print(f"\\nmaxschedchunk={session.config.option.maxschedchunk}")
-        '''))
-    run = pytest_in(project, "-n", "2", "--collect-only", "-q", *given)
+        '''})
+    run = pytest_in(project, "-n", "2", "--collect-only", *given)  # and -q, as UserProject.pytest runs it
     assert f"maxschedchunk={chunk}" in run.stdout, run.stdout[-2000:]

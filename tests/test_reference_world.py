@@ -11,15 +11,13 @@ pytest in a subprocess): code that reads the world is judged, never copied into 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import flat, line_of
-from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
+from tests.project import Run, UserProject
 
 MODEL = textwrap.dedent('''\
     import torch
@@ -106,14 +104,10 @@ TEST = textwrap.dedent('''\
     ''')
 
 
-def run_project(root: Path, name: str, meshes: list[str]) -> subprocess.CompletedProcess:
-    root.mkdir()
-    for file, text in (("worldly.py", MODEL), ("conftest.py", CONFTEST), ("pytest.ini", "[pytest]\n"),
-                       ("test_cells.py", TEST.replace("{MESHES!r}", repr(meshes)).replace("{NAME}", name))):
-        (root / file).write_text(text)
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                           "--case-deadline", "120", "--pool-size", "4"], cwd=root, env=env_for(root),
-                          capture_output=True, text=True, timeout=600)
+def run_project(root: Path, name: str, meshes: list[str]) -> Run:
+    project = UserProject(root, {"worldly.py": MODEL, "conftest.py": CONFTEST,
+                                 "test_cells.py": TEST.replace("{MESHES!r}", repr(meshes)).replace("{NAME}", name)})
+    return project.pytest("-p", "no:randomly", "--case-deadline", "120", "--pool-size", "4")
 
 
 def failures(output: str) -> dict[str, str]:
@@ -139,11 +133,11 @@ def test_a_loss_divided_by_the_world_size_is_red_on_every_multi_rank_cell(tmp_pa
     print(done.stdout[-6000:])
     ratios = norm_ratios(done.stdout)
     want = {f"scaled-fsdp-{mesh.replace('=', '')}": 1 / int(mesh.split("=")[1]) for mesh in order if mesh != "dp=1"}
-    assert {c.split("-fp32")[0] for c in ratios} == set(want), done.stdout[-5000:] + done.stderr[-2000:]
+    assert {c.split("-fp32")[0] for c in ratios} == set(want), done.tail
     for cell, ratio in want.items():
         assert ratios[next(c for c in ratios if c.startswith(cell + "-"))] == pytest.approx(ratio, rel=1e-3), ratios
     passed = re.search(r"^(?:\d+ failed, )?(\d+) passed", done.stdout.splitlines()[-1])
-    assert (int(passed.group(1)) if passed else 0) == ("dp=1" in order), done.stdout[-3000:]
+    assert (int(passed.group(1)) if passed else 0) == ("dp=1" in order), done.tail
     written = sorted(p.name for p in (tmp_path / "project" / "golden").rglob("*") if p.is_file()) \
         if (tmp_path / "project" / "golden").exists() else []
     assert all("-dp1-" in name for name in written), written  # only the one-rank cell, which matched
@@ -157,7 +151,7 @@ def test_a_loss_divided_by_the_world_size_is_red_on_every_multi_rank_cell(tmp_pa
 def test_a_gradient_divided_by_dp_twice_is_named_with_its_group(tmp_path):
     done = run_project(tmp_path / "project", "divided", ["dp=2"])
     print(done.stdout[-6000:])
-    assert "1 failed" in done.stdout, done.stdout[-5000:] + done.stderr[-2000:]
+    assert "1 failed" in done.stdout, done.tail
     assert ("first diverging module: 2 (parameter gradients, step 1), in the backward pass: every judged forward "
             "output matches, the gradient it received still matches, its parameters' gradients") in flat(done.stdout)
     line = line_of(done.stdout, "first diverging parameter gradients")
@@ -169,6 +163,6 @@ def test_a_gradient_divided_by_dp_twice_is_named_with_its_group(tmp_path):
 def test_a_build_seeded_by_rank_is_judged_against_rank_0s_model_on_one_process(tmp_path):
     done = run_project(tmp_path / "project", "seeded", ["dp=2", "dp=4"])
     print(done.stdout[-6000:])
-    assert "2 failed, 2 passed" in done.stdout, done.stdout[-5000:] + done.stderr[-2000:]
+    assert "2 failed, 2 passed" in done.stdout, done.tail
     failed = re.findall(r"^FAILED \S+test_cell\[(seeded-\w+)-", done.stdout, re.M)
     assert sorted(failed) == ["seeded-fsdp", "seeded-fsdp"], failed

@@ -13,16 +13,20 @@ from harness.report.junit import read
 from harness.compare.diff import Report, Row
 from harness.report.markdown import annotations, table_rows
 
-from .ci_project import CASES, ROOT, expected_red, make_project, run_project
+from tests.project import UserProject
+
+from .ci_project import BUGGY, CASES, CONFTEST, ROOT, expected_red
 
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     """The planted-bug project, run once under xdist with junit XML (as the workflow runs the matrix)."""
-    project = make_project(tmp_path_factory.mktemp("planted"))
-    done = run_project(project, "-n", "2", "--junitxml", "junit.xml")
-    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    return project
+    project = UserProject(tmp_path_factory.mktemp("planted") / "project",
+                          {"test_cells.py": CASES, "buggy.py": BUGGY, "conftest.py": CONFTEST})
+    done = project.run("python", "-m", "pytest", "-p", "no:cacheprovider", "--pool-size", "4", "-n", "2",
+                       "--junitxml", "junit.xml")
+    assert done.returncode == 1, done.tail
+    return project.path
 
 
 @pytest.fixture(scope="module")

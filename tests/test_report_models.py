@@ -2,15 +2,11 @@
 holds the reference and every mesh, and the failing cell's module × step heatmap puts its first red
 square on the module the bug is in."""
 import json
-import subprocess
-import sys
 
 import pytest
 
-from harness.report.junit import read
 from harness.report.models import first_diverging, module_grid
-
-from .ci_project import ROOT, run_project
+from tests.project import UserProject
 
 MODEL = '''
 from torch.distributed.fsdp import fully_shard
@@ -53,20 +49,18 @@ register_model("mlp", "mymodel:CASE")
 
 @pytest.fixture(scope="module")
 def reported(tmp_path_factory):
-    project = tmp_path_factory.mktemp("models")
-    for name, text in (("mymodel.py", MODEL), ("test_cells.py", CASES), ("conftest.py", CONFTEST),
-                       ("pytest.ini", "[pytest]\n")):
-        (project / name).write_text(text)
-    done = run_project(project, "--junitxml", "junit.xml", "--case-deadline", "120")
-    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    out = subprocess.run([sys.executable, "-m", "harness.report", "--junit", str(project / "junit.xml"),
-                          "--out", str(project / "reports")], cwd=ROOT, capture_output=True, text=True)
+    """The project's run, and the reports ``harness.report`` made of its junit XML."""
+    project = UserProject(tmp_path_factory.mktemp("models") / "project",
+                          {"mymodel.py": MODEL, "test_cells.py": CASES, "conftest.py": CONFTEST})
+    done = project.pytest("--pool-size", "4", "--case-deadline", "120")
+    assert done.returncode == 1, done.tail
+    out = project.harness("report", "--junit", str(done.junit), "--out", str(project.path / "reports"))
     assert out.returncode == 0, out.stderr
-    return project
+    return done, project.path / "reports"
 
 
 def test_model_records_carry_every_steps_losses_and_the_failing_cells_module_errors(reported):
-    records = {c.cell: c.record for c in read([reported / "junit.xml"]).cells}
+    records = {cell: c.record for cell, c in reported[0].cells.items()}
     assert {r["status"] for cell, r in records.items() if "-bad-" in cell} == {"failed"}
     assert {r["status"] for cell, r in records.items() if "-good-" in cell} == {"passed"}
     for cell, r in records.items():
@@ -83,7 +77,7 @@ def test_model_records_carry_every_steps_losses_and_the_failing_cells_module_err
 
 
 def test_the_report_holds_the_loss_plot_and_the_failing_cells_module_heatmap(reported):
-    out = reported / "reports"
+    out = reported[1]
     bad = sorted(p.name for p in out.glob("modules-*.png"))
     assert bad == ["modules-mlp-bad-dp2-fp32-plain-steps3-seed0.png", "modules-mlp-bad-dp4-fp32-plain-steps3-seed0.png"]
     assert (out / "losses-mlp.png").stat().st_size > 10_000

@@ -1,18 +1,14 @@
 """A failure on one screen: 120 columns, and cells that fail alike printed once (from a user's
 project, as pytest prints it)."""
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from harness.report.junit import read
 from harness.report.markdown import _failure_text, table_rows
 from harness.screen import first_line, fitted
 from tests.conftest import flat
+from tests.project import UserProject
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFTEST = '''
 from harness.registry import register_implementation
 register_implementation("tp", "spunreduced", "tests.planted:tp_sp_replicated_grads_unreduced")
@@ -44,11 +40,8 @@ def test_fitted_wraps_sentences_and_leaves_tables_and_commands_whole():
 
 @pytest.mark.slow
 def test_cells_failing_alike_print_once_and_every_line_fits_120_columns(tmp_path):
-    (tmp_path / "conftest.py").write_text(CONFTEST)
-    (tmp_path / "test_mine.py").write_text(TESTS)
-    ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml=j.xml"],
-                         cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
-                         timeout=600)
+    project = UserProject(tmp_path / "project", {"conftest.py": CONFTEST, "test_mine.py": TESTS}, ini=False)
+    ran = project.pytest()
     out = ran.stdout
     failures = out[out.index("= FAILURES ="):out.index("= parity summary =")]
     # (counted in the failures section: pytest's short summary repeats each first line, whole on CI)
@@ -68,7 +61,7 @@ def test_cells_failing_alike_print_once_and_every_line_fits_120_columns(tmp_path
     assert (f"{SCALED} diverges" in out and "grad/b1, grad/b2, grad/w1, grad/w2 are the reference x 1/2 = 1/tp"
             in flat(failures)), failures
     # the junit record keeps every cell's whole failure, and the report reads its whole table back
-    cells = read([tmp_path / "j.xml"]).cells
+    cells = list(ran.cells.values())
     assert len(cells) == 4 and all("diverges from the reference" in case.text for case in cells)
     for case in cells:
         rows = table_rows(_failure_text(case))

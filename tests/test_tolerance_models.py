@@ -7,18 +7,14 @@ A user's project in tmp_path, run with ``python -m pytest`` in a subprocess (as 
 """
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
 from harness.compare.tolerance import ROUNDING
 from tests.conftest import flat
-from tests.test_torchrun import env_for
+from tests.project import Run, UserProject
 
 CONFTEST = textwrap.dedent('''\
     from harness.model import register_model
@@ -44,29 +40,16 @@ RIGHT = [f"{model}-tp-tp{tp}-fp32-plain-steps3-seed0" for model in ("glm4", "olm
 BUG = "halfgrad-halfgrad-tp2-fp32-plain-steps3-seed0"
 
 
-def parity_run(project: Path, conftest: str, test: str, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+def parity_run(project: Path, conftest: str, test: str, *args: str) -> tuple[Run, dict]:
     """``python -m pytest`` in a project of ``conftest`` and ``test_rounding.py`` (``test``), with
     ``args``: the run and each cell's parity record (its junit property), by cell id."""
-    project.mkdir()
-    (project / "conftest.py").write_text(conftest)
-    (project / "test_rounding.py").write_text(test)
-    (project / "pytest.ini").write_text("[pytest]\n")
-    tmp = project.parent / "tmp"
-    tmp.mkdir()
-    env = dict(env_for(project), TMPDIR=str(tmp))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *args,
-                           "-rA", "--junitxml", "junit.xml"], cwd=project, env=env, capture_output=True, text=True,
-                          timeout=600)
-    cells = {}
-    for prop in ET.parse(project / "junit.xml").iter("property"):
-        if prop.get("name") == "parity":
-            record = json.loads(prop.get("value"))
-            cells[record["cell"]] = record
-    return done, cells
+    files = {"conftest.py": conftest, "test_rounding.py": test}
+    done = UserProject(project, files).pytest("-p", "no:randomly", *args, "-rA")
+    return done, {cell: c.record for cell, c in done.cells.items()}
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+def run(tmp_path_factory) -> tuple[Run, dict]:
     pytest.importorskip("transformers")
     return parity_run(tmp_path_factory.mktemp("rounding") / "project", CONFTEST, TEST,
                       "--pool-size", "2", "--case-deadline", "120")
@@ -75,14 +58,14 @@ def run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
 @pytest.mark.parametrize("cell", RIGHT)
 def test_right_code_on_a_real_model_is_green_in_fp32(run, cell):
     done, cells = run
-    assert cells[cell]["status"] == "passed", done.stdout[-6000:]
+    assert cells[cell]["status"] == "passed", done.tail
     assert cells[cell]["ratio"] < 1
 
 
 def test_a_halved_gradient_on_the_same_model_stays_red_by_orders_of_magnitude(run):
     done, cells = run
-    assert cells[BUG]["status"] == "failed" and cells[BUG]["ratio"] > 1e3, done.stdout[-6000:]
+    assert cells[BUG]["status"] == "failed" and cells[BUG]["ratio"] > 1e3, done.tail
     assert "model.layers.1.self_attn.o_proj.weight (module model.layers.1.self_attn.o_proj: mismatch, " \
-           "norm ratio 0.5" in flat(done.stdout), done.stdout[-6000:]
+           "norm ratio 0.5" in flat(done.stdout), done.tail
     # the header says how much one process amplified rounding, the widening the policy allowed
     assert f"per tensor x (1 + {ROUNDING:g} x one process's fp32 err/tol there), the most" in flat(done.stdout)

@@ -22,15 +22,13 @@ The six cells run in one pytest session (one pool): each test below reads its ow
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import flat, line_of
-from tests.test_torchrun import env_for
+from tests.project import Run, UserProject
 
 ROOT = Path(__file__).resolve().parent.parent
 PRETRAINED = ROOT / "harness" / "examples" / "pretrained_hf.py"
@@ -70,21 +68,12 @@ IDS = {"pretrained": "mypretrained-auto-tp2-fp32-plain-steps3-seed0",
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> subprocess.CompletedProcess:
+def run(tmp_path_factory) -> Run:
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    project = tmp_path_factory.mktemp("users") / "project"
-    project.mkdir()
-    (project / "mypretrained.py").write_text(PRETRAINED.read_text())
-    (project / "conftest.py").write_text(CONFTEST)
-    (project / "test_users.py").write_text(TEST)
-    (project / "pytest.ini").write_text("[pytest]\n")
-    tmp = project.parent / "tmp"  # the jobs' temp dir inside the test's (kept pool sockets, scratch)
-    tmp.mkdir()
-    env = dict(env_for(project), TMPDIR=str(tmp))
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                           "--pool-size", "4", "--case-deadline", "120", "-rA"], cwd=project, env=env,
-                          capture_output=True, text=True, timeout=600)
+    project = UserProject(tmp_path_factory.mktemp("users") / "project",
+                          {"mypretrained.py": PRETRAINED.read_text(), "conftest.py": CONFTEST, "test_users.py": TEST})
+    return project.pytest("-p", "no:randomly", "--pool-size", "4", "--case-deadline", "120", "-rA")
 
 
 def failure(run, key: str) -> str:
@@ -98,7 +87,7 @@ def failure(run, key: str) -> str:
 def outcome(run, key: str) -> str:
     match = re.search(rf"^(PASSED|FAILED|XFAIL|XPASS|SKIPPED|ERROR) \S*test_users\[{re.escape(IDS[key])}\]",
                       run.stdout, re.MULTILINE)
-    assert match, f"{IDS[key]} not in the summary:\n{run.stdout[-6000:]}\n{run.stderr[-2000:]}"
+    assert match, f"{IDS[key]} not in the summary:\n{run.tail}"
     return match.group(1)
 
 

@@ -11,14 +11,12 @@ cell is told what it changed, in one line, as a warning when it passed and in it
 """
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from harness.report import junit
-from tests.test_torchrun import env_for, torchrun
+from tests.project import Run, UserProject
+from tests.test_torchrun import torchrun
 
 pytestmark = pytest.mark.slow  # four pytest runs of a user's project, two of them under -n 2 and torchrun
 
@@ -166,39 +164,28 @@ CLEAN = ([f"net-fsdp-dp{n}-fp32-plain-steps3-seed{s}" for s in range(8) for n in
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory):
+def project(tmp_path_factory) -> UserProject:
     pytest.importorskip("transformers")
-    project = tmp_path_factory.mktemp("clean") / "project"
-    project.mkdir()
-    for name, text in (("mycases.py", CASES), ("conftest.py", CONFTEST), ("test_clean.py", TEST),
-                       ("pytest.ini", "[pytest]\n")):
-        (project / name).write_text(text)
-    tmp = project.parent / "tmp"
-    tmp.mkdir()
-    return project, dict(env_for(project), TMPDIR=str(tmp))
+    return UserProject(tmp_path_factory.mktemp("clean") / "project",
+                       {"mycases.py": CASES, "conftest.py": CONFTEST, "test_clean.py": TEST})
 
 
-def run(project, name: str, *args: str, **env: str):
+def run(project: UserProject, *args: str, **env: str):
     """The project's pytest run: its output, and its cells by id from its junit XML."""
-    where, base = project
-    xml = where.parent / f"{name}.xml"
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pool-size", "4",
-                           "--case-deadline", "120", f"--junitxml={xml}", *args], cwd=where, env=dict(base, **env),
-                          capture_output=True, text=True, timeout=900)
-    assert xml.exists(), done.stdout[-6000:] + done.stderr[-3000:]
-    return done.stdout, {c.cell: c for c in junit.read([xml]).cells}
+    done = project.pytest("--pool-size", "4", "--case-deadline", "120", *args, env=project.env(**env), timeout=900)
+    return done.stdout, done.cells
 
 
 @pytest.fixture(scope="module")
 def clean(project):
-    return run(project, "clean", CLEAN_ONLY="1")
+    return run(project, CLEAN_ONLY="1")
 
 
 @pytest.fixture(scope="module", params=["forward", "reversed -n 2"])
 def faulty(project, request):
     if request.param == "forward":
-        return run(project, "forward")
-    return run(project, "reversed", "-n", "2", REVERSED="1")
+        return run(project)
+    return run(project, "-n", "2", REVERSED="1")
 
 
 def verdict(cell) -> tuple:
@@ -247,13 +234,11 @@ def test_a_trainer_that_owns_its_process_group_is_green_and_so_is_the_cell_after
 
 def test_under_torchrun_what_a_cell_changed_never_reaches_the_next_cell_of_its_process(project, clean, tmp_path):
     """One pytest process a rank: settings and code put back in place, the world made anew."""
-    where, env = project
     xml = tmp_path / "torchrun.xml"
     done = torchrun(["--standalone", "--nproc-per-node", "2"], ["--junitxml", str(xml), "--case-deadline", "120",
                                                                "--rank-logs", str(tmp_path / "logs")],
-                    cwd=where, env=dict(env, TWO_RANKS="1"), timeout=900)
-    assert xml.exists(), done.stdout[-6000:] + done.stderr[-3000:]
-    cells = {c.cell: c for c in junit.read([xml]).cells}
+                    cwd=project.path, env=project.env(TWO_RANKS="1"), timeout=900)
+    cells = Run(done, xml).cells  # asserts the XML is there, showing the run's output if not
     clean_cells = [c for c in CLEAN if "dp2" in c]
     assert set(clean_cells) <= set(cells), sorted(cells)
     for cell in clean_cells:

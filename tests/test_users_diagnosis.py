@@ -10,14 +10,11 @@ by its numbers.
 The bugs are users' parallelize functions registered by path from the project's conftest:
 ``ep_without_expert_sum`` (tests/model_bugs_moe.py), ``stage_reinitialised``, ``wo_partial_in_one_block`` and
 ``wo_scaled_in_one_block`` (tests/model_bugs.py)."""
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from tests.conftest import flat, line_of
-from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
 
 CONFTEST = textwrap.dedent('''\
     from harness.model import register_model
@@ -41,13 +38,11 @@ TEST = textwrap.dedent('''\
     ''')
 
 
-def test_each_bug_is_named_where_it_starts(tmp_path):
+def test_each_bug_is_named_where_it_starts(user_project):
     pytest.importorskip("transformers", reason="pip install -e '.[thirdparty]' (transformers' Qwen3-MoE)")
-    for name, text in (("conftest.py", CONFTEST), ("test_bugs.py", TEST), ("pytest.ini", "[pytest]\n")):
-        (tmp_path / name).write_text(text)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--case-deadline", "120"],
-                          cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 1 and "4 failed, 1 passed" in done.stdout, done.stdout[-5000:] + done.stderr[-2000:]
+    user_project.write({"conftest.py": CONFTEST, "test_bugs.py": TEST})
+    done = user_project.pytest("--case-deadline", "120")
+    assert done.returncode == 1 and "4 failed, 1 passed" in done.stdout, done.tail
     moe, pipe, partial, hooked = (done.stdout.split(f"test_bug[{cell}")[1] for cell in
                                   ("moebug-noexpsum", "pipebug-stagereinit", "pipebug-wopartial", "pipebug-wohook"))
     moe_text, pipe_text, partial_text = flat(moe), flat(pipe), flat(partial)

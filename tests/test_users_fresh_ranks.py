@@ -4,11 +4,7 @@ parallelized and hands the next one that model's scale, so on warm ranks the sec
 set by the first (red, though its code is right); registered ``fresh=True``, every cell runs on rank
 processes no cell ran in and both are green, their shared directory (``cell_dir()``) there as on warm
 ranks."""
-import subprocess
-import sys
 import textwrap
-
-from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
 
 MODEL = textwrap.dedent('''\
     import torch
@@ -62,14 +58,9 @@ CONFTEST = textwrap.dedent('''\
     ''')
 
 
-def test_a_library_that_keeps_state_across_builds_gets_new_ranks_for_each_cell(tmp_path):
-    for name, text in (("mymodel.py", MODEL), ("conftest.py", CONFTEST), ("test_model.py", TEST),
-                       ("pytest.ini", "[pytest]\n")):
-        (tmp_path / name).write_text(text)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf"], cwd=tmp_path,
-                          env=env_for(tmp_path), capture_output=True, text=True, timeout=600)
-    out = done.stdout
-    assert done.returncode == 1 and "1 failed, 3 passed" in out, out[-5000:] + done.stderr[-2000:]
-    # the FAILED lines' node ids (a line may repeat its id in its message: CI's terminal is wider)
-    failed = [line.split()[1] for line in out.split("short test summary")[1].splitlines() if line.startswith("FAILED")]
+def test_a_library_that_keeps_state_across_builds_gets_new_ranks_for_each_cell(user_project):
+    user_project.write({"mymodel.py": MODEL, "conftest.py": CONFTEST, "test_model.py": TEST})
+    done = user_project.pytest("-rf")
+    assert done.returncode == 1 and "1 failed, 3 passed" in done.stdout, done.tail
+    failed = done.failed()  # the FAILED lines' node ids
     assert len(failed) == 1 and "test_model[warm-lib-" in failed[0], failed  # the second on warm ranks

@@ -6,15 +6,12 @@ FSDP's gradient division is off, so the ranks' gradients and losses are summed, 
 trainer's loss reads half the reference on dp=2 while its gradients match; and the bug such a trainer
 can ship (FSDP's division left on: gradients 1/dp) is red."""
 import dataclasses
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from harness.model import ModelCase
 from tests.conftest import flat
-from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
 
 MODEL = textwrap.dedent('''\
     import dataclasses
@@ -101,14 +98,11 @@ TEST = textwrap.dedent('''\
     ''')
 
 
-def test_a_loss_over_the_global_count_is_summed_over_the_ranks(tmp_path):
-    for name, text in (("mymodel.py", MODEL), ("conftest.py", CONFTEST), ("test_mlp.py", TEST),
-                       ("pytest.ini", "[pytest]\n")):
-        (tmp_path / name).write_text(text)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--case-deadline", "120"],
-                          cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=600)
+def test_a_loss_over_the_global_count_is_summed_over_the_ranks(user_project):
+    user_project.write({"mymodel.py": MODEL, "conftest.py": CONFTEST, "test_mlp.py": TEST})
+    done = user_project.pytest("--case-deadline", "120")
     out = done.stdout
-    assert done.returncode == 1 and "2 failed, 4 passed" in out, out[-5000:] + done.stderr[-2000:]
+    assert done.returncode == 1 and "2 failed, 4 passed" in out, done.tail
     failed = out.split("short test summary")[1]
     for cell in ("mlp-share-dp2-", "mlp-share-rep2.dp2-", "mlp-share-dp2.tp2-", "mlp-dtensor-dp2-"):
         assert f"test_mlp[{cell}" not in failed, failed

@@ -6,12 +6,9 @@ function with a bug a bf16 user could ship (gradients averaged over dp once more
 average) is red, named with its group; and a ``parallelize`` that sets no policy on its mesh (TP alone,
 under ``mixed_precision="params"``) trains in fp32: its bf16 cell fails saying so, never green at
 fp32's numbers."""
-import subprocess
-import sys
 import textwrap
 
 from tests.conftest import flat
-from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
 
 MODEL = textwrap.dedent('''\
     import dataclasses
@@ -49,15 +46,11 @@ TEST = textwrap.dedent('''\
     ''')
 
 
-def test_fsdp2_mixed_precision_is_green_and_a_bf16_users_bug_is_red(tmp_path):
-    for name, text in (("mymodel.py", MODEL), ("conftest.py", CONFTEST), ("test_cells.py", TEST),
-                       ("pytest.ini", "[pytest]\n")):
-        (tmp_path / name).write_text(text)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-                           "--case-deadline", "120"],
-                          cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=600)
+def test_fsdp2_mixed_precision_is_green_and_a_bf16_users_bug_is_red(user_project):
+    user_project.write({"mymodel.py": MODEL, "conftest.py": CONFTEST, "test_cells.py": TEST})
+    done = user_project.pytest("-rA", "--case-deadline", "120")
     out = done.stdout
-    assert done.returncode == 1 and "2 failed, 2 passed" in out, out[-5000:] + done.stderr[-2000:]
+    assert done.returncode == 1 and "2 failed, 2 passed" in out, done.tail
     assert "PASSED test_cells.py::test_cell[titanmp-fsdpmp-dp2-bf16" in out
     assert "PASSED test_cells.py::test_cell[titanmp-fsdpmp-rep2.dp2-bf16" in out
     bug = flat(out.split("test_cell[mpbug-twice-dp2-bf16")[1])

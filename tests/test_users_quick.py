@@ -6,11 +6,7 @@ over tp) is red. The same case without ``acts_with`` shows the gap: ``--quick`` 
 on ``dp=2``, where sequence parallelism does nothing, and the bug passes."""
 import dataclasses  # noqa: F401  (used by the project's module)
 import re
-import subprocess
-import sys
 import textwrap
-
-from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
 
 MODEL = textwrap.dedent('''\
     import dataclasses
@@ -83,17 +79,13 @@ TEST = textwrap.dedent('''\
     ''')
 
 
-def test_quick_runs_a_switch_where_it_acts(tmp_path):
-    for name, text in (("mymodel.py", MODEL), ("conftest.py", CONFTEST), ("test_cells.py", TEST),
-                       ("pytest.ini", "[pytest]\n")):
-        (tmp_path / name).write_text(text)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--quick",
-                           "--case-deadline", "120"],
-                          cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=600)
+def test_quick_runs_a_switch_where_it_acts(user_project):
+    user_project.write({"mymodel.py": MODEL, "conftest.py": CONFTEST, "test_cells.py": TEST})
+    done = user_project.pytest("-rA", "--quick", "--case-deadline", "120")
     out = done.stdout
     ran = dict((cell, verdict) for verdict, cell in
                re.findall(r"^(PASSED|FAILED) test_cells.py::test_cell\[(\S+?)-steps3-seed0\]", out, re.M))
-    assert ran.get("spmlp-tp-tp2-fp32-sp_on") == "FAILED", (ran, out[-4000:], done.stderr[-2000:])
+    assert ran.get("spmlp-tp-tp2-fp32-sp_on") == "FAILED", (ran, done.tail)
     failure = out.split("test_cell[spmlp-tp-tp2-fp32-sp_on")[1].split("reproduce:")[0]
     assert "partial sums over tp" in failure and "norm.weight" in failure, out[-6000:]
     # without acts_with, any cell shows a value: sp_on runs once, wherever it adds the most (here on tp=2

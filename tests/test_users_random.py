@@ -12,15 +12,12 @@ divergence; bisect and exploration say the same line.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from harness.report import junit
 from tests.conftest import flat
-from tests.test_torchrun import env_for
+from tests.project import Run, UserProject
 
 CASES = textwrap.dedent('''\
     import dataclasses
@@ -112,50 +109,39 @@ DRAWS = "the model draws random numbers in training mode ("
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory):
+def project(tmp_path_factory) -> UserProject:
     pytest.importorskip("transformers")
-    project = tmp_path_factory.mktemp("random") / "project"
-    project.mkdir()
-    for name, text in (("mycases.py", CASES), ("conftest.py", CONFTEST), ("test_random.py", TEST),
-                       ("pytest.ini", "[pytest]\n")):
-        (project / name).write_text(text)
-    tmp = project.parent / "tmp"  # the jobs' temp dir inside the test's (kept pool sockets, scratch)
-    tmp.mkdir()
-    return project, dict(env_for(project), TMPDIR=str(tmp))
+    return UserProject(tmp_path_factory.mktemp("random") / "project",
+                       {"mycases.py": CASES, "conftest.py": CONFTEST, "test_random.py": TEST})
 
 
 @pytest.fixture(scope="module")
-def run(project) -> tuple[subprocess.CompletedProcess, dict]:
+def run(project) -> tuple[Run, dict]:
     """The project's pytest run, and its cells by id from its junit XML."""
-    where, env = project
-    xml = where.parent / "junit.xml"
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                           "--pool-size", "2", "--case-deadline", "120", f"--junitxml={xml}"], cwd=where, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert xml.exists(), done.stdout[-6000:] + done.stderr[-3000:]
-    return done, {c.cell: c for c in junit.read([xml]).cells}
+    done = project.pytest("-p", "no:randomly", "--pool-size", "2", "--case-deadline", "120")
+    return done, done.cells
 
 
 def cell(run, key: str):
     done, cells = run
-    assert IDS[key] in cells, done.stdout[-6000:] + done.stderr[-3000:]
+    assert IDS[key] in cells, done.tail
     return cells[IDS[key]]
 
 
 def test_a_transformers_config_with_attention_dropout_is_skipped_naming_the_modules_and_the_attribute(run):
     llama = cell(run, "llama")
-    assert llama.outcome == "skipped" and llama.record["kind"] == "not judged", run[0].stdout[-6000:]
+    assert llama.outcome == "skipped" and llama.record["kind"] == "not judged", run[0].tail
     assert (llama.skip_reason.startswith(f"{DRAWS}aten.bernoulli_(p=0.9) in model.layers.0.self_attn, "
                                          "model.layers.1.self_attn)")
             and llama.skip_reason.endswith("turn them off in build: set attention_dropout=0.0 in the LlamaConfig "
                                            "(it has attention_dropout=0.1)")), llama.skip_reason
     # in the run's closing summary too, where skips are grouped by reason
-    assert f"skipped dropllama x1: {llama.skip_reason}" in run[0].stdout, run[0].stdout[-6000:]
+    assert f"skipped dropllama x1: {llama.skip_reason}" in run[0].stdout, run[0].tail
 
 
 def test_a_dropout_module_is_skipped_naming_it_and_p0_and_a_bug_under_it_is_not_a_divergence(run):
     right, bug = cell(run, "dropnet"), cell(run, "dropnet bug")
-    assert right.outcome == bug.outcome == "skipped" and right.skip_reason == bug.skip_reason, run[0].stdout[-6000:]
+    assert right.outcome == bug.outcome == "skipped" and right.skip_reason == bug.skip_reason, run[0].tail
     assert right.skip_reason == (f"{DRAWS}aten.bernoulli_(p=0.8) in drop), which a parallel run cannot draw as one "
                                  "process does, so no cell of it is judged; turn them off in build: give drop p=0 "
                                  "(drop is Dropout(p=0.2, inplace=False)), or call .eval() on it"), right.skip_reason
@@ -165,22 +151,17 @@ def test_the_same_net_with_p0_is_judged_and_its_planted_bug_stays_red(run):
     """Only ops that draw count: the net's Dropout(p=0) draws nothing, so it is judged beside the p=0.2
     net that is not."""
     assert cell(run, "dropnet").outcome == "skipped"
-    assert cell(run, "calmnet").outcome == "passed", run[0].stdout[-6000:]
+    assert cell(run, "calmnet").outcome == "passed", run[0].tail
     bug = cell(run, "calmnet bug")
-    assert bug.outcome == "failed" and bug.record["kind"] == "mismatch", run[0].stdout[-6000:]
+    assert bug.outcome == "failed" and bug.record["kind"] == "mismatch", run[0].tail
     assert (f"{IDS['calmnet bug']} diverges from the reference" in bug.text
             and re.search(r"grad/fc2\.weight +mismatch .* 0\.5 ", bug.text) and "random numbers" not in bug.text), bug.text
 
 
 def test_bisect_and_explore_say_the_same_line(run, project):
-    where, env = project
     reason = cell(run, "dropnet").skip_reason
-    check = subprocess.run([sys.executable, "-m", "harness.bisect", "check", IDS["dropnet"], "--pool-size", "2"],
-                           cwd=where, env=env, capture_output=True, text=True, timeout=600)
-    assert check.returncode == 125 and flat(check.stdout) == flat(f"{IDS['dropnet']}: skip ({reason})"), \
-        check.stdout + check.stderr[-3000:]
-    explore = subprocess.run([sys.executable, "-m", "harness.explore", "dropnet:fsdp", "--pool-size", "2",
-                              "--max-examples", "5", "--out", str(where.parent / "explored")],
-                             cwd=where, env=env, capture_output=True, text=True, timeout=600)
-    assert f"dropnet:fsdp: not explored: {reason}\n" in explore.stdout + explore.stderr, \
-        explore.stdout + explore.stderr[-3000:]
+    check = project.harness("bisect", "check", IDS["dropnet"], "--pool-size", "2")
+    assert check.returncode == 125 and flat(check.stdout) == flat(f"{IDS['dropnet']}: skip ({reason})"), check.tail
+    explore = project.harness("explore", "dropnet:fsdp", "--pool-size", "2", "--max-examples", "5",
+                              "--out", str(project.path.parent / "explored"))
+    assert f"dropnet:fsdp: not explored: {reason}\n" in explore.stdout + explore.stderr, explore.tail

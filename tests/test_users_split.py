@@ -9,12 +9,9 @@ tp), ``titan`` is torchtitan's order (pipeline, TP, FSDP) and passes on the same
 clean, and draws no one-rank world.
 """
 import json
-import subprocess
-import sys
 import textwrap
 
 from harness.config import Config
-from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
 
 MODEL = textwrap.dedent('''\
     from harness.examples import titan
@@ -59,11 +56,7 @@ TEST = textwrap.dedent('''\
     ''')
 
 
-def project(root):
-    for name, text in (("mymodel.py", MODEL), ("conftest.py", CONFTEST), ("test_mine.py", TEST),
-                       ("pytest.ini", "[pytest]\n")):
-        (root / name).write_text(text)
-    return root
+FILES = {"mymodel.py": MODEL, "conftest.py": CONFTEST, "test_mine.py": TEST}
 
 
 def failure_of(stdout: str, cell: str) -> list[str]:
@@ -72,12 +65,10 @@ def failure_of(stdout: str, cell: str) -> list[str]:
     return [line for line in part.splitlines()[1:] if line.strip()][:3]
 
 
-def test_a_function_that_ignores_pp_or_tp_fails_naming_the_dim_and_a_right_one_passes(tmp_path):
-    root = project(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--case-deadline", "120"],
-                          cwd=root, env=env_for(root), capture_output=True, text=True, timeout=600)
-    out = done.stdout
-    assert done.returncode == 1 and "2 failed, 2 passed" in out, out[-5000:] + done.stderr[-2000:]
+def test_a_function_that_ignores_pp_or_tp_fails_naming_the_dim_and_a_right_one_passes(user_project):
+    done = user_project.write(FILES).pytest("--case-deadline", "120")
+    out, golden = done.stdout, user_project.path / "golden"
+    assert done.returncode == 1 and "2 failed, 2 passed" in out, done.tail
     pp = failure_of(out, "mine-fsdp-pp2-fp32-plain-steps3-seed0")
     assert pp[0] == ("pp=2 split nothing: parallelize 'fsdp' returned a module, not a Pipelined: every pp rank ran "
                      "the whole model; declare its meshes: ModelCase(supports={'fsdp': fn(spec) -> reason or None})"), pp
@@ -87,16 +78,16 @@ def test_a_function_that_ignores_pp_or_tp_fails_naming_the_dim_and_a_right_one_p
     for lines in (pp, tp):  # one line, then how to rerun it: no crash report, no traceback
         assert len(lines[0]) < 200 and lines[1].startswith("reproduce: "), lines
     assert "split nothing" in out.split("parity summary")[1]  # the summary counts them apart from crashes
-    assert not (root / "golden" / "mine" / "mine-fsdp-pp2-fp32-plain-steps3-seed0.safetensors").exists()
+    assert not (golden / "mine" / "mine-fsdp-pp2-fp32-plain-steps3-seed0.safetensors").exists()
 
 
-def test_exploration_never_reports_a_pipeline_draw_of_a_function_without_one_clean_nor_draws_one_rank(tmp_path):
-    root = project(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "harness.explore", "mine:nopipe", "--seed", "0", "--max-examples",
-                           "12", "--database", "none", "--pool-size", "4", "--case-deadline", "120", "--out", "out"],
-                          cwd=root, env=env_for(root), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    trials = [(Config.parse(t["config"]), t) for t in map(json.loads, (root / "out" / "trials.jsonl").open())]
+def test_exploration_never_reports_a_pipeline_draw_of_a_function_without_one_clean_nor_draws_one_rank(user_project):
+    done = user_project.write(FILES).harness("explore", "mine:nopipe", "--seed", "0", "--max-examples", "12",
+                                             "--database", "none", "--pool-size", "4", "--case-deadline", "120",
+                                             "--out", "out")
+    assert done.returncode == 0, done.tail
+    trials = [(Config.parse(t["config"]), t)
+              for t in map(json.loads, (user_project.path / "out" / "trials.jsonl").open())]
     piped = [t for cfg, t in trials if cfg.degree("pp") > 1]
     assert piped, [t["config"] for _, t in trials]  # pipeline meshes were drawn ...
     assert all(t["kind"] == "invalid" and "pp=" in t["detail"] and "split nothing" in t["detail"]

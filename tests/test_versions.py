@@ -13,6 +13,7 @@ import pytest
 from harness import versions
 from harness.versions import Library
 from tests.checkout import ROOT, copy_checkout, user_env, venv_over_this_one
+from tests.project import UserProject
 
 PINNED = {"transformers": "5.23.0", "megatron-core": "0.16.1", "accelerate": "1.15.0"}
 # an older 5.x that installs over the pin beside CPU torch 2.13 (--no-deps: nothing else changes)
@@ -111,12 +112,11 @@ def test_a_maintainer_with_an_older_transformers_installed_over_the_pin_is_told(
                              timeout=600)
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
     cells = " or ".join((SKIPPED, DECLARED, RUNS))
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c",
-                           f"{python} -m pytest cases/test_moe.py cases/test_tp.py -rsxX -k '{cells}' "
-                           f"--junitxml=reports/cases.xml && {python} -m harness.report --junit reports/cases.xml "
-                           "--out reports"], cwd=source, env=env, capture_output=True, text=True, timeout=600)
+    done = UserProject(source, ini=False).run(
+        "bash", "-euo", "pipefail", "-c", f"{python} -m pytest cases/test_moe.py cases/test_tp.py -rsxX -k '{cells}' "
+        f"--junitxml=reports/cases.xml && {python} -m harness.report --junit reports/cases.xml --out reports", env=env)
     out = done.stdout
-    assert done.returncode == 0, out[-4000:] + done.stderr[-2000:]
+    assert done.returncode == 0, done.tail
     older = f"transformers {OLDER_TRANSFORMERS}"
     header = out[:out.index("collected ")]
     assert f"paritytest: torch 2.13.0" in header and f"{older} (pinned 5.23.0), megatron-core 0.16.1" in header

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.checkout import user_env
-from tests.test_torchrun import env_for, private_tmpdir, torchrun  # noqa: F401  (autouse fixture)
+from tests.project import Run, UserProject
 
 MODEL = textwrap.dedent('''\
     import os
@@ -77,50 +74,44 @@ TEST = textwrap.dedent('''\
     ''')
 
 
-def write_project(root: Path, model: str, test: str) -> Path:
+def write_project(root: Path, model: str, test: str) -> UserProject:
     """A user's project at ``root``: the model case ``worldly``, its conftest and its test module."""
-    root.mkdir()
-    for name, text in (("worldly.py", model), ("conftest.py", CONFTEST), ("test_worldly.py", test),
-                       ("pytest.ini", "[pytest]\n")):
-        (root / name).write_text(text)
-    return root
+    return UserProject(root, {"worldly.py": model, "conftest.py": CONFTEST, "test_worldly.py": test})
 
 
 @pytest.fixture
-def project(tmp_path) -> Path:
+def project(tmp_path) -> UserProject:
     return write_project(tmp_path / "project", MODEL, TEST)
 
 
-def _pytest(project: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pool-size", "8",
-                           "--case-deadline", "120", *args], cwd=project, env=env, capture_output=True, text=True,
-                          timeout=600)
+def _pytest(project: UserProject, *args: str, env: dict | None = None) -> Run:
+    return project.pytest("--pool-size", "8", "--case-deadline", "120", *args, env=env)
 
 
 def test_a_parallelize_that_reads_the_world_passes_on_cells_of_2_4_and_8_ranks_in_one_pool(project):
-    done = _pytest(project, env_for(project))
-    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
+    done = _pytest(project)
+    assert done.returncode == 0, done.tail
     assert "3 passed" in done.stdout
 
 
 def test_the_same_in_a_kept_pool(project, tmp_path):
     runtime = Path(tempfile.mkdtemp(prefix="kw", dir="/tmp"))  # short: a socket's path has 108 bytes
-    env = dict(env_for(project), XDG_RUNTIME_DIR=str(runtime))
+    env = project.env(XDG_RUNTIME_DIR=str(runtime))
     try:
         for _ in range(2):  # the second run forks its ranks from the kept zygote
-            done = _pytest(project, env, "--keep-pool", "120")
-            assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
+            done = _pytest(project, "--keep-pool", "120", env=env)
+            assert done.returncode == 0, done.tail
             assert "3 passed" in done.stdout
     finally:
-        subprocess.run([sys.executable, "-m", "harness.pool", "stop"], cwd=project, env=env, timeout=60)
+        project.harness("pool", "stop", env=env, timeout=60)
         shutil.rmtree(runtime, ignore_errors=True)
 
 
 def test_the_same_under_torchrun_on_the_first_ranks_of_an_8_rank_job(project, tmp_path):
-    done = torchrun(["--standalone", "--nproc-per-node", "8"],
-                    ["-q", "--case-deadline", "120", "--rank-logs", str(tmp_path / "logs")],
-                    cwd=project, env=env_for(project))
-    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-3000:]
+    done = project.run("python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
+                       "-m", "pytest", "-p", "no:cacheprovider", "-q", "--case-deadline", "120",
+                       "--rank-logs", str(tmp_path / "logs"))
+    assert done.returncode == 0, done.tail
     assert "3 passed" in done.stdout
 
 
@@ -146,9 +137,9 @@ LINES = {
 
 def test_a_parallelize_that_misuses_the_world_fails_with_one_line_naming_the_fix(tmp_path):
     project = write_project(tmp_path / "project", BAD, BAD_TEST)
-    done = _pytest(project, env_for(project), "--pool-size", "4")
-    assert done.returncode == 1, done.stdout[-5000:] + done.stderr[-2000:]
-    assert "4 failed" in done.stdout, done.stdout[-5000:]
+    done = _pytest(project, "--pool-size", "4")
+    assert done.returncode == 1, done.tail
+    assert "4 failed" in done.stdout, done.tail
     for impl, line in LINES.items():
         failure = done.stdout.split(f"test_worldly[worldly-{impl}-tp4")[1]
         shown = re.sub(r"worldly\.py:\d+", "worldly.py:LINE", failure)  # the user's line, in their file

@@ -3,24 +3,27 @@ plan passes at every mesh, a plan with a known upstream bug (apertus in transfor
 release) is ``known`` and its fix passes, an architecture the generic shrink cannot build is a skip
 that says why (never a red), and a bad option is one line with the fix."""
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
+from tests.project import ROOT, UserProject
 
 
-def zoo(tmp_path, *args):
-    return subprocess.run([sys.executable, "-m", "harness.zoo", "transformers", *args], cwd=tmp_path,
-                          env=env_for(tmp_path), capture_output=True, text=True, timeout=900)
+@pytest.fixture
+def project(tmp_path):
+    """A directory of the user's own, without a pytest.ini."""
+    return UserProject(tmp_path / "project", ini=False)
 
 
-def test_the_zoo_checks_each_plan_and_skips_what_it_cannot_build(tmp_path):
+def zoo(project, *args):
+    return project.harness("zoo", "transformers", *args, timeout=900)
+
+
+def test_the_zoo_checks_each_plan_and_skips_what_it_cannot_build(project):
     pytest.importorskip("transformers", reason="pip install -e '.[thirdparty]'")
-    done = zoo(tmp_path, "--only", "llama,qwen3_moe,llama4,apertus", "--plans", "tp,ep", "-n", "2", "--out", "out")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    cells = {r["cell"]: r for r in json.loads((tmp_path / "out" / "zoo.json").read_text())["cells"]}
+    done = zoo(project, "--only", "llama,qwen3_moe,llama4,apertus", "--plans", "tp,ep", "-n", "2", "--out", "out")
+    assert done.returncode == 0, done.tail
+    cells = {r["cell"]: r for r in json.loads((project.path / "out" / "zoo.json").read_text())["cells"]}
     verdicts = {cell: r["verdict"] for cell, r in cells.items()}
     assert verdicts == {
         "hfllama-tp-tp2-fp32-plain-steps3-seed0": "pass", "hfllama-tp-tp4-fp32-plain-steps3-seed0": "pass",
@@ -33,12 +36,12 @@ def test_the_zoo_checks_each_plan_and_skips_what_it_cannot_build(tmp_path):
         "hfapertus-tp-tp2-fp32-plain-steps3-seed0": "known", "hfapertus-tp-tp4-fp32-plain-steps3-seed0": "known",
         "hfapertus-tpfixed-tp2-fp32-plain-steps3-seed0": "pass"}, verdicts
     assert cells["hfllama4-tp-tp2-fp32-plain-steps3-seed0"]["why"].startswith("not built tiny: "), cells
-    table = (tmp_path / "out" / "zoo.md").read_text()
+    table = (project.path / "out" / "zoo.md").read_text()
     assert "6 pass, 0 red, 0 crash, 2 skip, 2 known, 0 fixed" in table, table
 
 
-def test_an_unknown_plan_is_one_line_with_the_choices(tmp_path):
-    done = zoo(tmp_path, "--plans", "tp,pp")
+def test_an_unknown_plan_is_one_line_with_the_choices(project):
+    done = zoo(project, "--plans", "tp,pp")
     assert done.returncode == 2 and "--plans: unknown pp; give some of tp, tpauto, ep, tpep" in done.stderr, done.stderr
 
 
@@ -105,14 +108,11 @@ def test_family(cfg, parity):
 '''
 
 
-def test_a_users_family_registers_its_cases_by_one_factory(tmp_path):
+def test_a_users_family_registers_its_cases_by_one_factory(user_project):
     """docs/models.md's family: two cases from one function, imported by the ranks by path."""
-    for name, text in (("family.py", FAMILY), ("conftest.py", FAMILY_CONFTEST), ("test_family.py", FAMILY_TEST),
-                       ("pytest.ini", "[pytest]\n")):
-        (tmp_path / name).write_text(text)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA"], cwd=tmp_path,
-                          env=env_for(tmp_path), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
+    user_project.write({"family.py": FAMILY, "conftest.py": FAMILY_CONFTEST, "test_family.py": FAMILY_TEST})
+    done = user_project.pytest("-rA")
+    assert done.returncode == 0 and "2 passed" in done.stdout, done.tail
     assert "test_family[mlpsmall-tp-tp2-" in done.stdout and "test_family[mlpwide-tp-tp2-" in done.stdout
 
 
@@ -120,22 +120,19 @@ def test_a_users_family_registers_its_cases_by_one_factory(tmp_path):
     ("apertus", "model.layers.0.mlp.act_fn.alpha_p: gradient differs; summed over the ranks it matches: its all-reduce "
                 "is missing"),
     ("llama", "llama: every parameter's gradient matches one process")])
-def test_the_maintainers_reproduction_in_the_docs_shows_the_bug_and_passes_a_right_plan(tmp_path, model_type, says):
+def test_the_maintainers_reproduction_in_the_docs_shows_the_bug_and_passes_a_right_plan(project, model_type, says):
     """docs/zoo_repro.py: torch and transformers only, under torchrun, as docs/zoo.md gives it."""
     pytest.importorskip("transformers", reason="pip install -e '.[thirdparty]'")
-    from tests.ci_project import ROOT
-
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(ROOT / "docs" / "zoo_repro.py"), model_type], cwd=tmp_path, env=env_for(tmp_path),
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and says in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    done = project.run("python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                       str(ROOT / "docs" / "zoo_repro.py"), model_type)
+    assert done.returncode == 0 and says in done.stdout, done.tail
 
 
-def test_diff_names_each_cell_whose_verdict_or_reason_moved(tmp_path):
+def test_diff_names_each_cell_whose_verdict_or_reason_moved(project):
     """Two releases' zoo.json: a verdict that moved, and a skip whose reason changed, are each a line;
     a cell that stayed as it was is not."""
     def write(name, library_version, cells):
-        path = tmp_path / name
+        path = project.path / name
         path.write_text(json.dumps({"library": "transformers", "transformers": library_version,
                                     "cells": [dict(cell=c, verdict=v, why=w) for c, v, w in cells]}))
         return path
@@ -145,8 +142,7 @@ def test_diff_names_each_cell_whose_verdict_or_reason_moved(tmp_path):
     new = write("new.json", "5.24.0", [("hfa-tp-tp2", "pass", ""), ("hfb-tp-tp2", "skip", "not built tiny: y"),
                                        ("hfc-tp-tp2", "fixed", "declared known (bug) but matches now"),
                                        ("hfd-tp-tp2", "skip", "no token ids")])
-    done = subprocess.run([sys.executable, "-m", "harness.zoo", "diff", str(old), str(new)], cwd=tmp_path,
-                          env=env_for(tmp_path), capture_output=True, text=True, timeout=300)
+    done = project.harness("zoo", "diff", str(old), str(new), timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
         "transformers 5.23.0 -> 5.24.0: 2 cells changed",
