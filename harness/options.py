@@ -9,6 +9,22 @@ import pytest
 from .pool.parent import DEFAULT_DEADLINE, DEFAULT_SIZE
 
 
+def _seconds(option: str):
+    """An optional value's type that says what to write when the next argument was not meant for it:
+    argparse gives an option with an optional value the path after it (``--keep-pool cases/``)."""
+    import argparse
+
+    def parse(text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a number of seconds: write {option}=SECONDS, or {option} after the paths "
+                f"(an optional value takes the argument after it)") from None
+
+    return parse
+
+
 def add_options(parser) -> None:
     group = parser.getgroup("parity", "parallel-training correctness harness")
     group.addoption("--update-golden", action="store_true",
@@ -37,7 +53,7 @@ def add_options(parser) -> None:
     group.addoption("--full-matrix", action="store_true",
                     help="every cell of each component's product, not the gate's covering design of it (the "
                          "nightly run; also PARITYTEST_FULL_MATRIX=1)")
-    group.addoption("--keep-pool", type=float, nargs="?", const=-1.0, default=None, metavar="SECONDS",
+    group.addoption("--keep-pool", type=_seconds("--keep-pool"), nargs="?", const=-1.0, default=None, metavar="SECONDS",
                     help="keep the pool's zygote (torch and third-party libraries imported) alive after the run, "
                          "SECONDS idle (default 900, or $PARITYTEST_KEEP_POOL), and fork the next run's ranks from it (one per "
                          "checkout; checkouts that set the same $PARITYTEST_KEEP_POOL_SCOPE share one)")

@@ -194,6 +194,28 @@ def test_an_edit_of_a_registered_implementation_is_seen_by_the_next_run_on_a_kep
 
 
 @pytest.mark.slow
+def test_a_library_put_first_on_the_path_is_what_the_next_run_imports(box):
+    """A kept pool holds the third-party modules a project imports; a run whose path finds one of
+    them elsewhere (a patched copy put first on PYTHONPATH) must get that copy, not the held one."""
+    import filelock
+
+    project = make_project(box["root"] / "project")
+    impl = project / "mypkg" / "tp_impl.py"
+    impl.write_text("import os\nimport filelock  # third-party: the kept pool imports it\n"
+                    "open(os.environ['SEEN'], 'a').write(filelock.__file__ + '\\n')\n" + impl.read_text())
+    seen = box["root"] / "seen.txt"
+    env = dict(box["env"], PARITYTEST_KEEP_POOL="120", SEEN=str(seen))
+    assert pytest_in(project, env, "-k", ONE_CELL).returncode == 0
+    copy = box["root"] / "patched"
+    shutil.copytree(os.path.dirname(filelock.__file__), copy / "filelock")
+    done = pytest_in(project, dict(env, PYTHONPATH=str(copy)), "-k", ONE_CELL)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    first, *_, last = seen.read_text().split()
+    assert first == filelock.__file__ and last == str(copy / "filelock" / "__init__.py"), seen.read_text()
+    pytest_in(project, env, "--stop-pool")
+
+
+@pytest.mark.slow
 def test_a_kept_pool_exits_after_its_idle_timeout_and_leaves_nothing(box):
     project = make_project(box["root"] / "project")
     env = dict(box["env"], PARITYTEST_KEEP_POOL="15")
@@ -248,6 +270,29 @@ def test_a_kept_pool_belongs_to_one_checkout_or_scope_and_stale_harness_files_re
                           capture_output=True, text=True, timeout=60)
     assert "stopped 1 kept pool" in done.stderr, done.stderr
     assert wait_until(lambda: gone(shared["pid"]) and left_in(box["runtime"]) == [], 30)
+
+
+@pytest.mark.slow
+def test_under_xdist_each_worker_keeps_a_pool_and_status_and_stop_see_every_one(box):
+    project = make_project(box["root"] / "project")
+
+    def pool_command(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "harness.pool", *args], cwd=project, env=box["env"],
+                              capture_output=True, text=True, timeout=120)
+
+    done = pytest_in(project, box["env"], "-n", "2", "--keep-pool", "60", "-k", "tp2 or tp4")
+    assert done.returncode == 0 and "4 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
+    shown = pool_command("status")
+    said = json.loads(shown.stdout)
+    assert shown.returncode == 0 and sorted(said) == ["gw0", "gw1"], shown.stdout + shown.stderr
+    assert all(s["runs"] >= 1 for s in said.values()), said
+    # an optional value takes the argument after it: the path given after --keep-pool is told as that
+    wrong = pytest_in(project, box["env"], "--keep-pool", "tests_parity")
+    assert wrong.returncode == 4 and "'tests_parity' is not a number of seconds: write --keep-pool=SECONDS" \
+        in wrong.stderr, wrong.stderr
+    assert "stopped 2 kept pool(s)" in pool_command("stop").stderr
+    assert wait_until(lambda: all(gone(s["pid"]) for s in said.values()), 30)
+    assert pool_command("status").returncode == 1
 
 
 @pytest.mark.slow

@@ -143,7 +143,7 @@ class Keeper:
                 send(conn, {"stopped": True})
             conn.close()
             self.stop_all()
-        if message.get("fingerprint") != self.own:  # the harness or the installed packages changed
+        if self._stale_for(message):
             with contextlib.suppress(FileNotFoundError):
                 if self.ours():
                     os.unlink(self.path)  # the client starts the next keeper at this path
@@ -154,6 +154,13 @@ class Keeper:
             conn.close()
             self.finish(lock=False)
         self._fork_run(conn, message, fds)
+
+    def _stale_for(self, message: dict) -> bool:
+        """Whether this keeper's image is not what the run would import: the harness or the installed
+        packages changed (the fingerprint), or a module it holds (or is asked to preload) is found
+        elsewhere on the run's ``sys.path`` (a patched copy of a library put first on PYTHONPATH)."""
+        return message.get("fingerprint") != self.own or shadowed(message.get("path", []),
+                                                                  message.get("preload_kept", ())) is not None
 
     def _fork_run(self, conn: socket.socket, message: dict, fds: list[int]) -> None:
         from .rank import preload
@@ -178,6 +185,25 @@ class Keeper:
         self.last = time.monotonic()
 
 
+def shadowed(path: list[str], wanted=()) -> str | None:
+    """The first top-level module this process holds from a file, or of ``wanted`` (to be imported),
+    that ``path`` (a run's ``sys.path``) would import from another file; None when there is none."""
+    from importlib.machinery import PathFinder
+
+    held = {name: getattr(module, "__file__", None) for name, module in list(sys.modules.items()) if "." not in name}
+    for name in dict.fromkeys([*held, *(w.partition(".")[0] for w in wanted)]):
+        mine = held.get(name)
+        if name not in held:
+            spec = PathFinder.find_spec(name, sys.path)
+            mine = spec.origin if spec else None
+        if not mine or name in sys.builtin_module_names:
+            continue
+        theirs = PathFinder.find_spec(name, path)
+        if theirs is not None and theirs.origin and os.path.realpath(theirs.origin) != os.path.realpath(mine):
+            return name
+    return None
+
+
 class OwnKeeper(Keeper):
     """A process's own keeper (:class:`harness.pool.kept.ForkServer`): requests come as records on
     its end of a socket pair, each with the run's connection among its descriptors; it serves until
@@ -191,6 +217,9 @@ class OwnKeeper(Keeper):
 
     def _requests(self) -> socket.socket:
         return self.control
+
+    def _stale_for(self, message: dict) -> bool:
+        return message.get("fingerprint") != self.own  # its process's own path, which it was started with
 
     def finish(self, code: int = 0, lock: bool = True) -> None:
         self.control.close()

@@ -334,10 +334,11 @@ def request(root: str, idle: float, kept_preload: list[str], message: dict, fds)
     raise KeptPoolError(f"the kept pool at {path} did not take the run")
 
 
-def status(root: str) -> dict | None:
-    """What this checkout's keeper (of this xdist worker) says of itself: ``pid``, ``runs`` (pools
-    forked), ``live`` (run zygotes alive), ``idle``, ``fingerprint``; None when there is none."""
-    path = os.path.join(runtime_dir(create=False), f"{checkout_key(root)}-{worker()}.sock")
+def status(root: str, of_worker: str | None = None) -> dict | None:
+    """What this checkout's keeper of an xdist worker (this process's by default) says of itself:
+    ``pid``, ``runs`` (pools forked), ``live`` (run zygotes alive), ``idle``, ``fingerprint``; None
+    when there is none."""
+    path = os.path.join(runtime_dir(create=False), f"{checkout_key(root)}-{of_worker or worker()}.sock")
     sock = _connect(path) if os.path.exists(path) else None
     if sock is None:
         return None
@@ -349,6 +350,16 @@ def status(root: str) -> dict | None:
         return None
     finally:
         sock.close()
+
+
+def statuses(root: str) -> dict[str, dict]:
+    """:func:`status` of each of the checkout's keepers, by xdist worker (``main``: a run without
+    xdist): ``pytest -n 2 --keep-pool`` leaves one per worker."""
+    directory = runtime_dir(create=False)
+    prefix = checkout_key(root) + "-"
+    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    workers = [name[len(prefix):-len(".sock")] for name in names if name.startswith(prefix) and name.endswith(".sock")]
+    return {w: said for w in workers if (said := status(root, w)) is not None}
 
 
 def stop(root: str | None = None, all_workers: bool = True) -> list[str]:
