@@ -287,16 +287,18 @@ def assemble(name: str, pieces: dict[int, Piece], layout: MeshLayout, *, every_r
     return Assembled(out, index_of, gap, gap_ranks)
 
 
-def summed_over(pieces: dict[int, Piece], layout: MeshLayout, name: str) -> dict[int, Piece]:
+def summed_over(pieces: dict[int, Piece], layout: MeshLayout, name: str, op: str = "sum") -> dict[int, Piece]:
     """What ``pieces`` hold if each is a partial sum over mesh dim ``name`` (a ``Partial()`` that was
     never reduced): every group of ``name`` summed (in fp64, then the pieces' dtype), held by its first
-    rank. A group that lacks a rank's piece, or whose pieces differ in shape or placements, gives none."""
+    rank; ``op="mean"``: averaged, what a data-parallel gradient reduction makes of per-rank gradients.
+    A group that lacks a rank's piece, or whose pieces differ in shape or placements, gives none."""
     out = {}
     for group in layout.groups(name):
         held = [pieces.get(r) for r in group]
         if None in held or len({(tuple(h.tensor.shape), h.shape, tuple(sorted(h.placements.items()))) for h in held}) != 1:
             continue
-        total = torch.stack([h.tensor.double() for h in held]).sum(0).to(held[0].tensor.dtype)
+        stacked = torch.stack([h.tensor.double() for h in held])
+        total = (stacked.mean(0) if op == "mean" else stacked.sum(0)).to(held[0].tensor.dtype)
         out[group[0]] = Piece(total, held[0].shape, dict(held[0].placements))
     return out
 

@@ -57,13 +57,25 @@ MODEL = textwrap.dedent('''\
         return parallelize(model, meshes, shard="dp_replicate")
 
 
+    def fsdp_without_replicate(model, meshes):  # HSDP that forgot its replicate dim: no reduction over it
+        fully_shard(model, mesh=meshes.dense["dp_shard_cp"])
+        return model
+
+
+    def fsdp_over_replicate_alone(model, meshes):  # HSDP that forgot its shard dim
+        fully_shard(model, mesh=meshes.dense["dp_replicate"])
+        return model
+
+
     def reversed_slice(model, meshes):  # names the mesh holds, asked for out of its order
         fully_shard(model, mesh=meshes.dense["dp_shard_cp", "dp_replicate"])
         return model
 
 
     CASE = ModelCase(build=MLP, batch=batch, loss=loss, mesh_names="torchtitan",
-                     parallelize={"titan": parallelize, "fsdpbug": fsdp_over_replicate, "reversed": reversed_slice})
+                     parallelize={"titan": parallelize, "fsdpbug": fsdp_over_replicate, "norep": fsdp_without_replicate,
+                                 "reponly": fsdp_over_replicate_alone,
+                                 "reversed": reversed_slice})
     OURS = dataclasses.replace(CASE, mesh_names=None)
     ''')
 CONFTEST = textwrap.dedent('''\
@@ -79,6 +91,7 @@ TEST = textwrap.dedent('''\
 
     CELLS = (model_cells("mlp", impls=["titan"], meshes=["dp=2", "rep=2,dp=2", "dp=2,tp=2", "tp=2"])
              + model_cells("mlp", impls=["fsdpbug"], meshes=["dp=2"])
+             + model_cells("mlp", impls=["reponly", "norep"], meshes=["rep=2,dp=2"])
              + model_cells("mlp", impls=["reversed"], meshes=["rep=2,dp=2"])
              + model_cells("mlpours", impls=["titan"], meshes=["dp=2"]))
 
@@ -93,12 +106,21 @@ def test_a_torchtitan_named_parallelize_runs_unchanged(user_project):
     user_project.write({"mymodel.py": MODEL, "conftest.py": CONFTEST, "test_mlp.py": TEST})
     done = user_project.pytest("--case-deadline", "120")
     out = done.stdout
-    assert done.returncode == 1 and "3 failed, 4 passed" in out, done.tail
+    assert done.returncode == 1 and "5 failed, 4 passed" in out, done.tail
     for mesh in ("dp2", "rep2.dp2", "dp2.tp2", "tp2"):
         assert f"PASSED test_mlp.py::test_mlp[mlp-titan-{mesh}-" not in out  # -q: only failures are named
         assert f"test_mlp[mlp-titan-{mesh}-" not in out.split("short test summary")[1]
     bug = flat(out.split("test_mlp[mlp-fsdpbug-dp2")[1])
     assert "diverges from the reference" in bug and "replicas" in bug, bug[:3000]
+    # each dp rank's gradients are its own batch's: a reduction over dp that never ran, said as one
+    assert ("first diverging module: down (parameter gradients, step 1), in the backward pass: the gradient it "
+            "received still matches, its parameters' gradients (bias, weight) differ over dp (averaged over dp they "
+            "match the reference): their reduction over dp is missing") in bug, bug[:4000]
+    # the same rule for every group: HSDP with FSDP over dp_replicate alone misses dp; over dp_shard alone, rep
+    for cell, dim in (("reponly-rep2.dp2", "dp"), ("norep-rep2.dp2", "rep")):
+        said = flat(out.split(f"test_mlp[mlp-{cell}")[1].split("reproduce:")[0])
+        assert (f"its parameters' gradients (bias, weight) differ over {dim} (averaged over {dim} they match the "
+                f"reference): their reduction over {dim} is missing") in said, said[-3000:]
     ours = flat(out.split("test_mlp[mlpours-titan-dp2")[1])
     assert ("the cell's code asked a mesh for dp_shard (at mymodel.py:") in ours, ours[:3000]
     assert "ModelCase(mesh_names='torchtitan') hands them over with torchtitan's names" in ours

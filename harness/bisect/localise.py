@@ -121,6 +121,9 @@ class Localisation:
     findings: list[Finding] = field(default_factory=list)
     # a result tensor (a gradient) -> the mesh dim over which the ranks hold partial sums of it
     partial_results: dict[str, str] = field(default_factory=dict)
+    # a result tensor -> the mesh dim over which the ranks' copies differ and their mean matches (a
+    # data-parallel reduction that never ran)
+    mean_results: dict[str, str] = field(default_factory=dict)
     # results that are the reference times a group's size (name -> "x 1/2 = 1/tp")
     scaled_results: dict[str, str] = field(default_factory=dict)
     # the comparison of this run's end result (None where it crashed or could not be assembled)
@@ -151,7 +154,7 @@ class Localisation:
         if self.first_diverging is None:
             if self.result_ok:
                 return f"all {self.compared} compared events match, and so does the result{unrecorded}"
-            if self.partial_results or self.scaled_results:
+            if self.partial_results or self.mean_results or self.scaled_results:
                 return f"all {self.compared} compared events match; {self._results_text()}{unrecorded}"
             return (f"all {self.compared} compared events match: the divergence starts after the last recorded "
                     f"event (in the gradient reduction or the optimizer step){unrecorded}")
@@ -180,6 +183,9 @@ class Localisation:
 
         partial = [f"{names} {are} per-rank partial sums over {dim} (summed they match the reference): {their} "
                    f"all-reduce over {dim} is missing" for dim, (names, are, their) in grouped(self.partial_results).items()]
+        partial += [f"{names} {'differ' if are == 'are' else 'differs'} over {dim} (averaged over {dim} they match the "
+                    f"reference): {their} reduction over {dim} is missing"
+                    for dim, (names, are, their) in grouped(self.mean_results).items()]
         scaled = [f"{names} {are} the reference {factor}: scaled by a group's size (a reduction over the wrong "
                   "group, or once too often)" for factor, (names, are, _) in grouped(self.scaled_results).items()]
         return "; ".join(partial + scaled)
@@ -198,19 +204,19 @@ class Localisation:
                 "first_diverging": one(self.first_diverging), "last_matching": self.last_matching or None,
                 "origin": one(self.origin),
                 "unrecorded": self.unrecorded[:20], "errors": self.errors, "partial_results": self.partial_results,
-                "scaled_results": self.scaled_results,
+                "mean_results": self.mean_results, "scaled_results": self.scaled_results,
                 "diagnosis": self.diagnosis}
 
 
-def partial_over(name: str, pieces: dict[int, Piece], expected, layout: MeshLayout, tol) -> str | None:
+def partial_over(name: str, pieces: dict[int, Piece], expected, layout: MeshLayout, tol, op: str = "sum") -> str | None:
     """The mesh dim over which ``pieces`` are partial sums of ``expected`` (a tensor): summed over
-    that dim's groups, they match it under ``tol``; None when no dim the pieces are not placed over
-    does so."""
+    that dim's groups (``op="mean"``: averaged), they match it under ``tol``; None when no dim the
+    pieces are not placed over does so."""
     placed = next(iter(pieces.values())).placements
     for dim, degree in layout.dims:
         if degree < 2 or dim in placed:
             continue
-        summed = summed_over(pieces, layout, dim)
+        summed = summed_over(pieces, layout, dim, op)
         try:
             got = assemble(name, summed, layout, every_rank=False) if summed else None
         except AssemblyError:
@@ -221,16 +227,16 @@ def partial_over(name: str, pieces: dict[int, Piece], expected, layout: MeshLayo
 
 
 def partial_sums(rows: list[Row], pieces: dict[str, dict[int, Piece]], expected: dict, layout: MeshLayout,
-                 tol) -> dict[str, str]:
+                 tol, op: str = "sum") -> dict[str, str]:
     """Each tensor of ``rows`` whose copies disagree (a failing ``replicas`` row) and whose ranks'
-    ``pieces`` are partial sums of ``expected`` -> the mesh dim they are partial over
-    (:func:`partial_over`). Copies that agree are no partial sums, whatever their sum: every rank
+    ``pieces`` are partial sums of ``expected`` (``op="mean"``: whose mean is ``expected``) -> the
+    mesh dim they are partial over (:func:`partial_over`). Copies that agree are no partial sums, whatever their sum: every rank
     holding half the gradient is the gradient over dp, a scale. Optimizer states are left out: they
     follow from the gradients."""
     found = {}
     for name in dict.fromkeys(r.tensor for r in rows if r.problem == "replicas" and not r.ok
                               and parse(r.tensor).kind != "opt"):
-        dim = partial_over(name, pieces[name], expected[name], layout, tol)
+        dim = partial_over(name, pieces[name], expected[name], layout, tol, op)
         if dim:
             found[name] = dim
     return found
@@ -389,6 +395,7 @@ def localise(cfg: Config | Cell, pool: Pool, complete: bool = False) -> Localisa
                         fresh=cell.component.fresh)
     layout = MeshLayout.of(cfg.mesh)
     partial_results: dict[str, str] = {}
+    mean_results: dict[str, str] = {}
     scaled_results: dict[str, str] = {}
     report = None
     try:
@@ -400,8 +407,11 @@ def localise(cfg: Config | Cell, pool: Pool, complete: bool = False) -> Localisa
             expected = cell.reference()
             held = set(results[min(results)])  # every rank holds the same names (assemble_result)
             rows = [r for r in report.failing() if r.tensor in expected and r.tensor in held]
-            partial_results = partial_sums(rows, {r.tensor: {k: got[r.tensor] for k, got in results.items()}
-                                                  for r in rows}, expected, layout, tol_of)
+            pieces = {r.tensor: {k: got[r.tensor] for k, got in results.items()} for r in rows}
+            partial_results = partial_sums(rows, pieces, expected, layout, tol_of)
+            # per-rank gradients of a data-parallel step whose reduction never ran: their mean is the step's
+            mean_results = partial_sums([r for r in rows if r.tensor not in partial_results], pieces, expected, layout,
+                                        tol_of, op="mean")
             scaled_results = scaled(rows, cfg.mesh)
     except AssemblyError:
         result_ok = False
@@ -413,7 +423,8 @@ def localise(cfg: Config | Cell, pool: Pool, complete: bool = False) -> Localisa
     tol = cell.policy().get("*")
     found = Localisation(len(reference), len(parallel), result_ok=result_ok,
                          errors={r: got["error"] for r, got in per_rank.items() if got["error"]},
-                         partial_results=partial_results, scaled_results=scaled_results, report=report)
+                         partial_results=partial_results, mean_results=mean_results, scaled_results=scaled_results,
+                         report=report)
     designed: dict[str, list[str]] = {}  # forward event -> its tensors per rank by design
     for want in reference:
         ranks = parallel.get(want.key)

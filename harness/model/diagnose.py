@@ -53,7 +53,8 @@ def diagnose(case: ModelCase, cfg: Config, pool, report, rerun: bool) -> Diagnos
             if first is not None:
                 record["first"] = [first, start.phase]
     backward = backward_order(params, found)
-    gradients = first_gradients(backward, report, cfg.mesh, found.partial_results if found else None)
+    gradients = first_gradients(backward, report, cfg.mesh, found.partial_results if found else None,
+                                found.mean_results if found else None)
     return Diagnosis("\n".join(lines + ([gradients] if gradients else [])), {"model": record},
                      order=table_order(backward, first))
 
@@ -154,13 +155,15 @@ def where_it_starts(found, report, mesh=()) -> Start:
         judged_in = [r for r in event.inputs if r.tensor not in event.per_rank]
         received = ("is not compared" if not event.inputs else "is per rank by design" if not judged_in else
                     "already differs" if _wrong(judged_in, event) else "still matches")
-        dims = {found.partial_results.get(grad_name(f"{module}.{n}")) for n in own}
-        if own and not passes_on and len(dims) == 1 and None not in dims:
-            dim = dims.pop()
-            return Start(module, "bwd", f"first diverging module: {module} (parameter gradients, step 1), in the "
-                                        f"backward pass: the gradient it received {received}, its parameters' "
-                                        f"gradients ({', '.join(own)}) are per-rank partial sums over {dim} (summed "
-                                        f"they match the reference): their all-reduce over {dim} is missing")
+        for unreduced, held in ((found.partial_results, "are per-rank partial sums over {dim} (summed they match "
+                                                        "the reference): their all-reduce over {dim} is missing"),
+                                (found.mean_results, "differ over {dim} (averaged over {dim} they match the "
+                                                     "reference): their reduction over {dim} is missing")):
+            dims = {unreduced.get(grad_name(f"{module}.{n}")) for n in own}
+            if own and not passes_on and len(dims) == 1 and None not in dims:
+                return Start(module, "bwd", f"first diverging module: {module} (parameter gradients, step 1), in the "
+                                            f"backward pass: the gradient it received {received}, its parameters' "
+                                            f"gradients ({', '.join(own)}) {held.format(dim=dims.pop())}")
         wrong = " and ".join((["its input gradient"] if passes_on else [])
                              + ([f"its parameters' gradients ({', '.join(own)})"] if own else []))
         head = module_of(event.key) if passes_on else f"{module} (parameter gradients, step 1)"
@@ -230,11 +233,12 @@ def table_order(backward: list[str], first: str | None) -> list[str]:
 
 
 def first_gradients(backward: list[str], report, mesh=(), partial: dict[str, str] | None = None,
-                    most: int = 3) -> str:
+                    means: dict[str, str] | None = None, most: int = 3) -> str:
     """The parameters whose step-1 gradient diverges, in the order backward computes them
     (``backward``: :func:`backward_order`), each with its module and what is wrong: a
     gradient the ranks hold as partial sums over a mesh dim (``partial``: gradient name -> dim, from
-    the localisation) says its all-reduce is missing; one that is the reference times a group's size
+    the localisation) says its all-reduce is missing, one whose copies' mean over a dim matches
+    (``means``) that its reduction over the dim is; one that is the reference times a group's size
     or one over it says which group, of ``mesh``; "" when every gradient matches."""
     failing = {row.tensor: row for row in report.failing()}
     bad = [(n, failing[grad_name(n)]) for n in backward if grad_name(n) in failing]
@@ -249,6 +253,9 @@ def first_gradients(backward: list[str], report, mesh=(), partial: dict[str, str
         dim = (partial or {}).get(grad_name(n))
         if dim:
             return f"partial sums over {dim} (summed they match the reference): its all-reduce over {dim} is missing"
+        dim = (means or {}).get(grad_name(n))
+        if dim:
+            return f"differs over {dim} (averaged over {dim} it matches the reference): its reduction over {dim} is missing"
         return f"{row.problem}, norm ratio {row.norm_ratio:.4g}{factor(row)}"
 
     shown = [f"{n} (module {n.rpartition('.')[0] or n}: {problem(n, row)}" + (f", ranks {row.ranks}" if row.ranks else "")
