@@ -11,9 +11,9 @@ import textwrap
 TABLE_ROWS = 12
 WIDTH = 120
 
-# what differs between cells failing alike on different meshes: the factor (x 1/2 = 1/dp at dp=2,
-# x 1/4 = 1/dp at dp=4) and the ranks that hold it
-_VARIES = re.compile(r"x (1/)?\d+ = |ranks? \[?\d+(, ?\d+)*\]?")
+# what differs between cells failing alike on different meshes: the factor and the groups that make
+# it (x 1/2 = 1/dp at dp=2, x 1/4 = 1/rep·dp (the world) at rep=2,dp=2) and the ranks that hold it
+_VARIES = re.compile(r"x (1/)?\d+( = (1/)?[\w·]+( or (1/)?[\w·]+)*)?( \(the world\))?|ranks? \[?\d+(, ?\d+)*\]?")
 
 
 def fitted(text: str, width: int = WIDTH) -> str:

@@ -148,6 +148,20 @@ def test_a_loss_divided_by_the_world_size_is_red_on_every_multi_rank_cell(tmp_pa
                 f"the gradient the loss hands back to 2 does not (the reference x 1/{world} = 1/dp)") in body, body
 
 
+def test_a_loss_divided_by_the_world_size_on_several_meshes_prints_once_naming_the_world(tmp_path):
+    """One bug on dp=2, dp=4 and HSDP: one way of failing whatever its factor, printed once in full,
+    and on HSDP the factor named as the world."""
+    done = run_project(tmp_path / "project", "scaled", ["dp=2", "dp=4", "rep=2,dp=2"])
+    assert "3 failed" in done.stdout, done.tail
+    out = flat(done.stdout)
+    # counted in the failures section: the short summary repeats each first line (whole under CI=true)
+    failures = out[out.index("= FAILURES ="):out.index("short test summary info")]
+    assert failures.count(" diverges from the reference (") == 1, done.tail  # one table, not one per factor
+    assert "2 more cells fail alike (printed once, here): " in out, done.tail
+    assert ("the gradient the loss hands back to 2 does not (the reference x 1/4 = 1/rep·dp (the world))"
+            in out), done.tail
+
+
 def test_a_gradient_divided_by_dp_twice_is_named_with_its_group(tmp_path):
     done = run_project(tmp_path / "project", "divided", ["dp=2"])
     print(done.stdout[-6000:])

@@ -71,13 +71,17 @@ def groups_of_size(k: int, mesh=()) -> list[str]:
 def factor_text(ratio: float, fit_residual: float, mesh=()) -> str | None:
     """``x 1/2 = 1/dp``: a tensor of norm ``ratio`` times the reference's that is the reference times
     a whole factor (``fit_residual`` below :data:`FIT`), or one over it, named with the groups of
-    ``mesh`` of that size (``= 1/dp or 1/tp`` where two are); None when it is no such multiple."""
+    ``mesh`` of that size (``= 1/dp or 1/tp`` where two are; ``= 1/rep·dp (the world)`` where the
+    dims that make it are every dim of the world: a division by the world size); None when it is no
+    such multiple."""
     k = whole_factor(ratio)
     if k is None or not fit_residual < FIT:
         return None
     over = "" if ratio > 1 else "1/"
     groups = groups_of_size(k, mesh)
-    return f"x {over}{k}" + (" = " + " or ".join(over + g for g in groups) if groups else "")
+    split = [degree for _, degree in mesh if degree > 1]
+    world = " (the world)" if len(split) > 1 and k == math.prod(split) else ""
+    return f"x {over}{k}" + (" = " + " or ".join(over + g for g in groups) if groups else "") + world
 
 
 def of_report(report: Report, mesh=()) -> Signature:
