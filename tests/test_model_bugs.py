@@ -14,7 +14,9 @@ BUGS = [
     (model_cells("bugs", impls=["wocol"], meshes=["tp=2"])[0], "in module layers.0.attention.wo"),
     (model_cells("bugs", impls=["nosp"], meshes=["tp=2"])[0], "layers.1.ffn_norm.weight (module layers.1.ffn_norm"),
     (model_cells("bugs", impls=["hsdpdims"], meshes=["rep=2,dp=2"])[0],
-     "first diverging parameter gradients (step 1, in backward order): output.weight (module output: replicas"),
+     # each replica's gradients are its own half-batch's: the reduction over rep that never ran, named so
+     "first diverging parameter gradients (step 1, in backward order): output.weight (module output: differs over rep "
+     "(averaged over rep it matches the reference): its reduction over rep is missing"),
     (model_cells("bugs", impls=["lossworld"], meshes=["dp=2"])[0],
      "first diverging module: none, it starts in the loss (step 1): every judged forward output matches, the "
      "gradient the loss hands back to output does not (the reference x 1/2 = 1/dp)"),
