@@ -187,20 +187,40 @@ class Keeper:
 
 def shadowed(path: list[str], wanted=()) -> str | None:
     """The first top-level module this process holds from a file, or of ``wanted`` (to be imported),
-    that ``path`` (a run's ``sys.path``) would import from another file; None when there is none."""
-    from importlib.machinery import PathFinder
-
+    that ``path`` (a run's ``sys.path``) would import from another file; None when there is none.
+    Found as an import would find it: every finder of ``sys.meta_path`` (setuptools' distutils shim,
+    editable installs), not the path alone."""
     held = {name: getattr(module, "__file__", None) for name, module in list(sys.modules.items()) if "." not in name}
-    for name in dict.fromkeys([*held, *(w.partition(".")[0] for w in wanted)]):
-        mine = held.get(name)
-        if name not in held:
-            spec = PathFinder.find_spec(name, sys.path)
-            mine = spec.origin if spec else None
-        if not mine or name in sys.builtin_module_names:
-            continue
-        theirs = PathFinder.find_spec(name, path)
-        if theirs is not None and theirs.origin and os.path.realpath(theirs.origin) != os.path.realpath(mine):
+    names = [n for n in dict.fromkeys([*held, *(w.partition(".")[0] for w in wanted)])
+             if n not in sys.builtin_module_names]
+    mine = {n: held.get(n) for n in names}
+    missing = [n for n in names if n not in held]
+    mine.update(zip(missing, _origins(missing, sys.path)))
+    for name, theirs in zip(names, _origins(names, path)):
+        files = [f for f in (mine[name], theirs) if f and os.path.isfile(f)]  # not built-in, frozen, a namespace
+        if len(files) == 2 and os.path.realpath(theirs) != os.path.realpath(mine[name]):
             return name
+    return None
+
+
+def _origins(names: list[str], path: list[str]) -> list[str | None]:
+    """The file each top-level module of ``names`` would be imported from with ``path`` as ``sys.path``."""
+    saved = sys.path[:]
+    sys.path[:] = path
+    try:
+        return [_origin(name) for name in names]
+    finally:
+        sys.path[:] = saved
+
+
+def _origin(name: str) -> str | None:
+    for finder in sys.meta_path:
+        try:
+            spec = finder.find_spec(name, None)
+        except Exception:  # noqa: BLE001  a finder that cannot answer is no answer
+            continue
+        if spec is not None:
+            return spec.origin
     return None
 
 
