@@ -355,11 +355,16 @@ def status(root: str, of_worker: str | None = None) -> dict | None:
 def statuses(root: str) -> dict[str, dict]:
     """:func:`status` of each of the checkout's keepers, by xdist worker (``main``: a run without
     xdist): ``pytest -n 2 --keep-pool`` leaves one per worker."""
-    directory = runtime_dir(create=False)
     prefix = checkout_key(root) + "-"
-    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
-    workers = [name[len(prefix):-len(".sock")] for name in names if name.startswith(prefix) and name.endswith(".sock")]
+    workers = [name[len(prefix):-len(".sock")] for name in _sockets(prefix)]
     return {w: said for w in workers if (said := status(root, w)) is not None}
+
+
+def _sockets(prefix: str) -> list[str]:
+    """The names of the keepers' sockets in this user's runtime directory that start with ``prefix``."""
+    directory = runtime_dir(create=False)
+    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    return [name for name in names if name.endswith(".sock") and name.startswith(prefix)]
 
 
 def stop(root: str | None = None, all_workers: bool = True) -> list[str]:
@@ -368,11 +373,8 @@ def stop(root: str | None = None, all_workers: bool = True) -> list[str]:
     directory = runtime_dir(create=False)
     if not os.path.isdir(directory):
         return []
-    prefix = checkout_key(root) + "-" if root else ""
     stopped = []
-    for name in sorted(os.listdir(directory)):
-        if not (name.endswith(".sock") and name.startswith(prefix)):
-            continue
+    for name in _sockets(checkout_key(root) + "-" if root else ""):
         path = os.path.join(directory, name)
         sock = _connect(path)
         if sock is None:
