@@ -2,6 +2,7 @@
 come from README's code blocks, and pytest runs them the way the section says, in a subprocess, from
 the project's directory (the harness is the one installed in this environment, not this checkout's
 path)."""
+from tests.conftest import flat
 from tests.project import UserProject
 from tests.test_outside_project import code_blocks, doc_section, project_files
 
@@ -45,5 +46,7 @@ def test_the_same_project_with_a_bug_in_its_parallelize_fails_naming_the_module(
     done = user_project.pytest("tests_model", "-k", "dp2 and not tp2", "--case-deadline", "120",
                                env=installed(user_project))
     assert done.returncode == 1, done.tail
-    assert "first diverging parameter gradients (step 1, in backward order): 2.bias (module 2: replicas" \
-        in done.stdout, done.stdout[-6000:]
+    # each data-parallel rank's gradients are its own batch's: the reduction over dp that never ran, named so
+    assert ("first diverging parameter gradients (step 1, in backward order): 2.bias (module 2: differs over dp "
+            "(averaged over dp it matches the reference): its reduction over dp is missing") \
+        in flat(done.stdout), done.stdout[-6000:]
