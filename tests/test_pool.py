@@ -11,7 +11,7 @@ import torch
 from harness.registry import reference_of
 from harness.resolve import _references, resolve
 from harness.config import Config
-from harness.pool.parent import CaseFailure, Pool, default_preload, reference_preload
+from harness.pool.parent import CaseFailure, Pool, PoolError, default_preload, reference_preload
 from harness.registry import COMPONENTS, Component, get, register_component
 from tests.conftest import run_python
 
@@ -62,6 +62,17 @@ def test_rank_that_exits_is_named_with_its_exit_code(small_pool):
         small_pool.run("tests.faults:exit_on_rank1", 7, TP4)
     assert "rank 1: died: process died (exit code 7)" in str(failure.value)
     small_pool.run("harness.pool.tasks:noop", None, TP4)
+
+
+def test_ranks_that_die_while_starting_are_named_with_how_they_ended():
+    pool = Pool(size=2, preload=["tests.fork_exits"])
+    try:
+        with pytest.raises(PoolError) as failure:
+            pool.start()
+        assert "pool of 2 ranks failed to start: rank " in str(failure.value)
+        assert "died while starting (exit code 5)" in str(failure.value), failure.value
+    finally:
+        pool.close()
 
 
 def test_result_the_parent_cannot_unpickle_is_named(small_pool):

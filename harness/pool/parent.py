@@ -342,8 +342,11 @@ class Pool:
             if self._port is None and (self._proc.poll() is not None or time.monotonic() > end):
                 self._fail_start("the zygote exited or did not fork the ranks in time")
         port = pickle.dumps(("port", self._port))
-        for conn in self._conns:
-            conn.send_bytes(port)
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send_bytes(port)
+            except OSError:  # its end is closed: it died before it read where the store is
+                self._fail_start("died while starting", dead=rank)
         ready = set()
         while len(ready) < self.size:
             left = end - time.monotonic()
@@ -354,11 +357,16 @@ class Pool:
                 try:
                     _, rank = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
-                    self._fail_start(f"rank {self._conns.index(conn)} died while starting")
+                    self._fail_start("died while starting", dead=self._conns.index(conn))
                 ready.add(rank)
         self._ready = True
 
-    def _fail_start(self, why: str) -> None:
+    def _fail_start(self, why: str, dead: int | None = None) -> None:
+        """Raise the :class:`PoolError` of a start that failed ``why``; ``dead``: the rank whose death
+        it was, named with how it ended (its exit code or signal)."""
+        if dead is not None:
+            self._await_exits([dead])
+            why = f"rank {dead} {why} ({self._ending(dead)})"
         logs = self._logs(range(self.size), tail=20)
         zygote = self._read(os.path.join(self._tmp, "zygote.log"))[-3000:] if self._tmp else ""
         if self.keep <= 0 and self._proc is not None and self._proc.poll() is not None:
@@ -573,9 +581,7 @@ class Pool:
         if dead:
             self._await_exits(dead)
             for r in dead:
-                code = self._exits.get(r)
-                how = ("unknown exit status" if code is None else
-                       f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
+                how = self._ending(r)
                 outcomes[r].summary = f"process died ({how})"
                 outcomes[r].detail = f"process died ({how}); its output, last lines:\n" + self._logs([r], tail=15)
         kinds = sorted({o.status for o in outcomes.values()} - {"ok", "idle"})
@@ -637,6 +643,13 @@ class Pool:
         end = time.monotonic() + timeout
         while any(r not in self._exits for r in ranks) and time.monotonic() < end and self._proc:
             self._read_status(max(0.0, end - time.monotonic()))
+
+    def _ending(self, rank: int) -> str:
+        """How the rank's process ended, as its zygote reported it."""
+        code = self._exits.get(rank)
+        if code is None:
+            return "unknown exit status"
+        return f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
     @staticmethod
     def _read(path: str) -> str:
