@@ -104,8 +104,11 @@ class Zygote:
                         os.close(other)
                 try:
                     rank_main(rank, fd, me, spec)
-                finally:
-                    os._exit(0)
+                except BaseException:  # noqa: BLE001  into its log (os._exit skips Python's own report)
+                    traceback.print_exc()
+                    sys.stderr.flush()
+                    os._exit(1)
+                os._exit(0)
             pids[rank] = pid
             self.live[pid] = rank
         self.forking["now"] = False
