@@ -266,10 +266,40 @@ def test_a_kept_pool_belongs_to_one_checkout_or_scope_and_stale_harness_files_re
     shared = status(b, scoped)
     assert shared == status(a, scoped) and shared["runs"] == 2 * POOLS_PER_RUN, shared
     assert status(a, env) is None  # the checkout's own is another
+    # a scope's keeper serves one harness at a time: a run from another copy of it gets a keeper of
+    # that copy (its files carry the same mtimes), and once that copy is removed, a run from the first
+    # gets one of its own again, not ranks importing the rest of a package that is gone
+    impl = a / "mypkg" / "tp_impl.py"
+    seen = box["root"] / "seen.txt"
+    impl.write_text("import os, tempfile\nimport harness.pool.tasks\n"
+                    "open(os.environ['SEEN'], 'a').write(f'{harness.pool.tasks.__file__} {tempfile.gettempdir()}\\n')\n"
+                    + impl.read_text())
+    other = Path(shutil.copytree(checkout, tmp_path / "other"))  # its files' mtimes too
+    in_other = dict(scoped, PYTHONPATH=str(other), SEEN=str(seen))
+    assert pytest_in(a, in_other, "-k", ONE_CELL).returncode == 0
+    of_other = status(a, in_other)
+    assert of_other["pid"] != shared["pid"] and of_other["runs"] == POOLS_PER_RUN, (shared, of_other)
+    assert str(other / "harness" / "pool" / "tasks.py") in seen.read_text().split()
+    shutil.rmtree(other)
+    seen.unlink()
+    done = pytest_in(a, dict(scoped, SEEN=str(seen)), "-k", ONE_CELL)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    again = status(a, scoped)
+    assert again["pid"] not in (shared["pid"], of_other["pid"]), (shared, of_other, again)
+    tasks = str(checkout / "harness" / "pool" / "tasks.py")
+    assert {line.split()[0] for line in seen.read_text().splitlines()} == {tasks}  # the run zygote's too
+    # a run with a temp directory of its own: its ranks' is that one, not the one the keeper started with
+    seen.unlink()
+    own_tmp = box["root"] / "own-tmp"
+    own_tmp.mkdir()
+    assert pytest_in(a, dict(scoped, SEEN=str(seen), TMPDIR=str(own_tmp)), "-k", ONE_CELL).returncode == 0
+    assert status(a, scoped)["pid"] == again["pid"]
+    assert {line.split()[1] for line in seen.read_text().splitlines()} == {str(own_tmp)}
     done = subprocess.run([sys.executable, "-m", "harness.pool", "stop"], cwd=a, env=scoped,
                           capture_output=True, text=True, timeout=60)
     assert "stopped 1 kept pool" in done.stderr, done.stderr
-    assert wait_until(lambda: gone(shared["pid"]) and left_in(box["runtime"]) == [], 30)
+    assert wait_until(lambda: all(gone(s["pid"]) for s in (shared, of_other, again))
+                      and left_in(box["runtime"]) == [], 30)
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import select
 import signal
 import socket
 import sys
+import tempfile
 import time
 
 from .kept import fingerprint, receive, receive_record, send
@@ -197,7 +198,9 @@ def shadowed(path: list[str], wanted=()) -> str | None:
     missing = [n for n in names if n not in held]
     mine.update(zip(missing, _origins(missing, sys.path)))
     for name, theirs in zip(names, _origins(names, path)):
-        files = [f for f in (mine[name], theirs) if f and os.path.isfile(f)]  # not built-in, frozen, a namespace
+        # files, not built-in, frozen or a namespace; one removed since it was imported still counts (a
+        # keeper holding a deleted copy of a package would import the rest of it from nowhere)
+        files = [f for f in (mine[name], theirs) if f and os.path.isabs(f)]
         if len(files) == 2 and os.path.realpath(theirs) != os.path.realpath(mine[name]):
             return name
     return None
@@ -299,6 +302,7 @@ def run_zygote(conn: socket.socket, message: dict, fds: list[int]) -> None:
     os.chdir(message["cwd"])
     os.environ.clear()
     os.environ.update(message["env"])
+    tempfile.tempdir = None  # the keeper's (the first client's TMPDIR, maybe gone): the run's, from its env
     sys.path[:] = message["path"]
     spec = {"fds": rank_fds, "backend": message["backend"], "tmp": message["tmp"], "close": [conn.fileno()]}
     pooldir.hold(spec["tmp"])

@@ -16,8 +16,8 @@ Safe by construction:
 * the keeper imports torch, the harness's own modules and third-party modules only, never the
   project's code (implementations, references, cases, conftests): those are imported after its
   fork, in each run, so an edit is always seen;
-* the client sends a fingerprint of what the keeper's image depends on (every file of the harness
-  package, the interpreter, ``sys.prefix`` and the installed distributions, through the mtimes of
+* the client sends a fingerprint of what the keeper's image depends on (where the harness package
+  is and every file of it, the interpreter, ``sys.prefix`` and the installed distributions, through the mtimes of
   the site-packages directories and their ``.pth`` files); a keeper whose own differs exits, and
   the client starts a fresh one;
 * it exits after ``idle`` seconds without a run, removing its socket, lock file and log, and when
@@ -131,11 +131,12 @@ def _site_dirs() -> list[str]:
 
 
 def fingerprint() -> str:
-    """Changes when a file of the harness package, the interpreter or an installed distribution
-    changes: what a keeper imported before it forks."""
+    """Changes when the harness package moves or a file of it changes, or the interpreter or an
+    installed distribution changes: what a keeper imported before it forks."""
     digest = hashlib.sha256()
     digest.update("\0".join([interpreter(), sys.prefix, sys.version]).encode())
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest.update(os.path.realpath(package).encode())  # a copy of the checkout is another image
     for dirpath, dirnames, filenames in os.walk(package):
         dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
         for name in sorted(filenames):
