@@ -15,10 +15,37 @@ pytest_plugins = ["pytester"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# ---- one kept pool for the users' projects of the run ---------------------------------------------------
+# The tests run a user's project as a user does: a pytest process of its own, whose pool would import
+# torch (and transformers) anew each time, seconds of the CPU that the suite's time is made of. Each
+# run's projects share a kept pool instead (one keeper per xdist worker, in a runtime directory of the
+# run's own, stopped when the run ends); a test about the pool itself runs without it (``own_pool_env``).
+KEPT_POOL_ENV = ("PARITYTEST_KEEP_POOL", "PARITYTEST_KEEP_POOL_SCOPE")
+
+
+def _share_a_kept_pool(config) -> None:
+    import shutil
+    import tempfile
+
+    from harness.pool import kept
+
+    if os.environ.get("PARITYTEST_KEEP_POOL_SCOPE") or hasattr(config, "workerinput"):
+        return  # an xdist worker inherits its controller's; a user's own setting is kept
+    # XDG_RUNTIME_DIR, not the temp directory: the tests give each project a TMPDIR of its own
+    runtime = tempfile.mkdtemp(prefix="ptk-", dir="/tmp")  # short: a socket's path holds 108 bytes
+    os.environ.update(PARITYTEST_KEEP_POOL="300", PARITYTEST_KEEP_POOL_SCOPE=f"tests-{os.getpid()}",
+                      XDG_RUNTIME_DIR=runtime)
+
+    def stop() -> None:
+        kept.stop(None)  # every keeper in the run's own runtime directory
+        shutil.rmtree(runtime, ignore_errors=True)
+
+    config.add_cleanup(stop)
+
+
 def own_pool_env(env: dict[str, str]) -> dict[str, str]:
-    """``env`` without a kept pool the run's environment may ask for: for a test about the pool a
-    project starts itself."""
-    return {k: v for k, v in env.items() if k not in ("PARITYTEST_KEEP_POOL", "PARITYTEST_KEEP_POOL_SCOPE")}
+    """``env`` without the run's kept pool: for a test about the pool a project starts itself."""
+    return {k: v for k, v in env.items() if k not in KEPT_POOL_ENV}
 
 
 # ---- how the suite is spread over xdist's workers ----------------------------------------------------
@@ -27,7 +54,8 @@ def pytest_configure(config):
     ``pytest_collection_modifyitems``), unless the command line chose a ``--dist`` of its own: a
     module-scoped fixture (a user's project run once, a virtual environment, a pool) is set up once,
     not once on each worker. (Not ``loadgroup``: xdist 3.8 renames the grouped items' node ids, which
-    pytest 9.2 ignores, so its groups are silently not kept.)"""
+    pytest 9.2 ignores, so its groups are silently not kept.) And the run's kept pool."""
+    _share_a_kept_pool(config)
     if any(a == "--dist" or a.startswith("--dist=") for a in config.invocation_params.args):
         return
     if getattr(config.option, "dist", "no") == "load":
