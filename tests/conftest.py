@@ -4,6 +4,7 @@ import sys
 import pytest
 from hypothesis import settings
 
+from harness.pool import kept
 from harness.pool.parent import Pool
 
 # no example database written; no per-example deadline on a loaded 2-core machine. (Hypothesis still
@@ -20,21 +21,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # torch (and transformers) anew each time, seconds of the CPU that the suite's time is made of. Each
 # run's projects share a kept pool instead (one keeper per xdist worker, in a runtime directory of the
 # run's own, stopped when the run ends); a test about the pool itself runs without it (``own_pool_env``).
-KEPT_POOL_ENV = ("PARITYTEST_KEEP_POOL", "PARITYTEST_KEEP_POOL_SCOPE")
+KEPT_POOL_ENV = (kept.ENV, kept.SCOPE_ENV)
 
 
 def _share_a_kept_pool(config) -> None:
     import shutil
     import tempfile
 
-    from harness.pool import kept
-
-    if os.environ.get("PARITYTEST_KEEP_POOL_SCOPE") or hasattr(config, "workerinput"):
+    if os.environ.get(kept.SCOPE_ENV) or hasattr(config, "workerinput"):
         return  # an xdist worker inherits its controller's; a user's own setting is kept
     # XDG_RUNTIME_DIR, not the temp directory: the tests give each project a TMPDIR of its own
     runtime = tempfile.mkdtemp(prefix="ptk-", dir="/tmp")  # short: a socket's path holds 108 bytes
-    os.environ.update(PARITYTEST_KEEP_POOL="300", PARITYTEST_KEEP_POOL_SCOPE=f"tests-{os.getpid()}",
-                      XDG_RUNTIME_DIR=runtime)
+    os.environ.update({kept.ENV: "300", kept.SCOPE_ENV: f"tests-{os.getpid()}", "XDG_RUNTIME_DIR": runtime})
 
     def stop() -> None:
         kept.stop(None)  # every keeper in the run's own runtime directory

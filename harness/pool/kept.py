@@ -17,9 +17,9 @@ Safe by construction:
   project's code (implementations, references, cases, conftests): those are imported after its
   fork, in each run, so an edit is always seen;
 * the client sends a fingerprint of what the keeper's image depends on (where the harness package
-  is and every file of it, the interpreter, ``sys.prefix`` and the installed distributions, through the mtimes of
-  the site-packages directories and their ``.pth`` files); a keeper whose own differs exits, and
-  the client starts a fresh one;
+  is and every file of it, the interpreter, ``sys.prefix`` and the installed distributions, through
+  the mtimes of the site-packages directories and their ``.pth`` files); a keeper whose own differs
+  exits, and the client starts a fresh one;
 * it exits after ``idle`` seconds without a run, removing its socket, lock file and log, and when
   asked (``pytest --stop-pool``, ``python -m harness.pool stop``).
 
