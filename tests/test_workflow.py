@@ -1,5 +1,6 @@
 """The CI workflows: actionlint accepts them and docs/ci.md's caller, and their own commands, run here
 (this repository's gate, and a user's caller in an outside project), produce the summary."""
+import json
 import os
 import re
 import shutil
@@ -123,6 +124,26 @@ def test_ci_installs_what_the_lint_tests_need():
     run in CI instead of skipping."""
     install = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if "pip install" in line]
     assert install == [".venv/bin/pip install -q torch==2.13.0 -e '.[thirdparty,ci]'"]
+
+
+def test_the_cpu_probe_charges_a_users_run_and_what_it_forks_to_the_test_that_started_them(tmp_path):
+    """.ci/cpu: every Python process of a run logs its CPU as it ends (a forked child ending by
+    os._exit too), charged to the test of the suite that started it; .ci/cpu_report.py sums them."""
+    (tmp_path / "test_fork.py").write_text(
+        "import os\n\ndef test_fork():\n    if os.fork() == 0:\n        sum(range(3 * 10**6))\n"
+        "        os._exit(0)\n    assert os.wait()[1] == 0\n")
+    log = tmp_path / "cpu.log"
+    env = dict(os.environ, CPU_PROBE_LOG=str(log), PYTHONPATH=str(ROOT / ".ci" / "cpu"))
+    ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_fork.py"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    me = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]
+    assert sorted(r["forked"] for r in records) == [False, True] and {r["test"] for r in records} == {me}
+    report = subprocess.run([sys.executable, str(ROOT / ".ci" / "cpu_report.py"), str(log)],
+                            capture_output=True, text=True, check=True).stdout
+    assert "in 2 processes" in report and "pytest (a user's run)" in report
+    assert "forked (ranks, zygotes)" in report and me in report
 
 
 def _summary_rows(text: str) -> dict[str, list[str]]:
