@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import json
 import os
 import select
@@ -38,6 +39,9 @@ def keeper_main() -> None:
     import_torch()
     preload(spec["preload"])
     warm_up()
+    # what it imported lives as long as it does: no full collection in the keeper, nor in the
+    # zygotes and ranks forked from it, need scan it again (and its pages stay shared with theirs)
+    gc.freeze()
     keeper.serve()
 
 
