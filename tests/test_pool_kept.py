@@ -264,7 +264,9 @@ def test_a_kept_pool_belongs_to_one_checkout_or_scope_and_stale_harness_files_re
     assert pytest_in(a, scoped, "-k", ONE_CELL).returncode == 0
     assert pytest_in(b, scoped, "-k", ONE_CELL).returncode == 0
     shared = status(b, scoped)
-    assert shared == status(a, scoped) and shared["runs"] == 2 * POOLS_PER_RUN, shared
+    # one keeper (not its live zygotes: the last run's may still be ending as it is asked)
+    keeper = lambda s: (s["pid"], s["runs"], s["fingerprint"])  # noqa: E731
+    assert keeper(shared) == keeper(status(a, scoped)) and shared["runs"] == 2 * POOLS_PER_RUN, shared
     assert status(a, env) is None  # the checkout's own is another
     # a scope's keeper serves one harness at a time: a run from another copy of it gets a keeper of
     # that copy (its files carry the same mtimes), and once that copy is removed, a run from the first
