@@ -9,8 +9,8 @@ def kind(record: dict) -> str:
     argv = record["argv"]
     if record["forked"]:
         return "forked (ranks, zygotes)"
-    if "keeper_main" in argv or '"idle"' in argv:
-        return "kept-pool keeper"
+    if '"idle"' in argv:  # python -c CODE SPEC: the keeper's JSON spec, its code is not in argv
+        return "pool keeper"
     if argv in ("-c", "") or "exec(eval" in argv:
         return "xdist worker or python -c"
     if "pytest" in argv:
@@ -26,8 +26,9 @@ def main(path: str, top: int = 25) -> None:
     by_kind, count = collections.Counter(), collections.Counter()
     by_file, by_test = collections.Counter(), collections.Counter()
     for r in records:
-        by_kind[kind(r)] += r["cpu"]
-        count[kind(r)] += 1
+        name = kind(r)
+        by_kind[name] += r["cpu"]
+        count[name] += 1
         by_file[r["test"].split("::")[0] or "(no test)"] += r["cpu"]
         by_test[r["test"] or "(no test)"] += r["cpu"]
     print(f"{sum(by_kind.values()):.0f} CPU-s in {len(records)} processes that ended by exit")
