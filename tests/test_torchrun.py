@@ -122,14 +122,6 @@ def test_a_selection_across_every_component_matches_the_pool_run(tmp_path):
     assert "passed" in (tmp_path / "logs" / "rank3.log").read_text()
 
 
-def test_cells_larger_than_the_job_skip_with_the_reason(tmp_path):
-    run = torchrun(["--standalone", "--nproc-per-node", "2"],
-                   ["cases/test_tp.py", "-k", "tp-ours-tp2-fp32-op_mlp- or tp-ours-tp4-fp32-op_mlp-", "-rs"])
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "1 passed, 1 skipped" in run.stdout
-    assert "needs 4 ranks and this torchrun job has 2: launch at least 4 (--nnodes x --nproc-per-node)" in run.stdout
-
-
 @pytest.mark.slow
 def test_two_hosts_simulated_run_eight_rank_cells(tmp_path):
     """Two torchrun processes (two "hosts") meet at a c10d rendezvous on 127.0.0.1, 4 ranks each."""
@@ -299,12 +291,12 @@ def pytest_runtest_setup(item):
         time.sleep(5)  # rank 1, idle in this 1-rank cell, reaches it after rank 0 has judged it
 '''
 
-SLOW_RANK_CASES = '''
+TP_CASES = '''
 import pytest
 from harness.matrix import cells
 from reference.tp import SIZES
 
-CELLS = cells("tp", impls=["ours"], meshes=["tp=1", "tp=2"], dtypes=["fp32"], sizes=SIZES, switches={"op": ["mlp"]})
+CELLS = cells("tp", impls=["ours"], meshes={meshes}, dtypes=["fp32"], sizes=SIZES, switches={{"op": ["mlp"]}})
 
 
 @pytest.mark.parametrize("cfg", CELLS, ids=str)
@@ -313,15 +305,22 @@ def test_tp(cfg, parity):
 '''
 
 
-def test_a_rank_late_to_a_cell_it_idles_in_still_runs_the_next_cell_with_the_others(tmp_path):
+def test_a_rank_late_to_a_cell_it_idles_in_still_runs_the_next_cell_and_a_cell_larger_than_the_job_skips(tmp_path):
     """Rank 0 judges the 1-rank cell before rank 1 gets there; rank 1 must still take its turn
     (and not replay rank 0's verdict as if from an earlier attempt), or the 2-rank cell after it
-    waits for an outcome rank 1 files under another cell."""
-    project = make_project(tmp_path / "late", {"conftest.py": SLOW_RANK_CONFTEST, "test_cells.py": SLOW_RANK_CASES})
-    run = torchrun(["--standalone", "--nproc-per-node", "2"], ["test_cells.py", "--case-deadline", "20"],
+    waits for an outcome rank 1 files under another cell. The 4-rank cell skips, saying why."""
+    # two modules: within one, the cells run largest first (harness.selection.by_world)
+    project = make_project(tmp_path / "late", {"conftest.py": SLOW_RANK_CONFTEST,
+                                               "test_1.py": TP_CASES.format(meshes=["tp=1"]),
+                                               "test_2.py": TP_CASES.format(meshes=["tp=2", "tp=4"])})
+    xml = tmp_path / "late.xml"
+    run = torchrun(["--standalone", "--nproc-per-node", "2"],
+                   ["test_1.py", "test_2.py", "--case-deadline", "20", "-rs", "--junitxml", str(xml)],
                    cwd=project, env=env_for(project), timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[:3000]
-    assert "2 passed" in run.stdout
+    ran = [(re.search(r"-(tp\d)-", nodeid).group(1), outcome) for nodeid, outcome, _ in outcomes(xml)]
+    assert ran == [("tp1", "passed"), ("tp4", "skipped"), ("tp2", "passed")], run.stdout[-3000:]
+    assert "needs 4 ranks and this torchrun job has 2: launch at least 4 (--nnodes x --nproc-per-node)" in run.stdout
 
 
 # Rank 1's pytest fails outside the cells, where rank 0's report cannot see it: a fixture's teardown
@@ -351,7 +350,7 @@ def pytest_sessionfinish(session):
         raise RuntimeError("planted sessionfinish failure on rank 1")
 ''',
 }
-OUTSIDE_CELLS_CASES = SLOW_RANK_CASES  # a 1-rank and a 2-rank tp cell
+OUTSIDE_CELLS_CASES = TP_CASES.format(meshes=["tp=1", "tp=2"])
 
 
 @pytest.mark.parametrize("where", sorted(OUTSIDE_CELLS))
