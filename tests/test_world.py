@@ -11,13 +11,13 @@ set is gone).
 from __future__ import annotations
 
 import re
-import shutil
-import tempfile
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from harness.pool import kept
+from tests.conftest import own_pool_env
 from tests.project import Run, UserProject
 
 MODEL = textwrap.dedent('''\
@@ -89,22 +89,17 @@ def _pytest(project: UserProject, *args: str, env: dict | None = None) -> Run:
 
 
 def test_a_parallelize_that_reads_the_world_passes_on_cells_of_2_4_and_8_ranks_in_one_pool(project):
-    done = _pytest(project)
+    done = _pytest(project, env=own_pool_env(project.env()))  # a pool of the run's own, not kept
     assert done.returncode == 0, done.tail
     assert "3 passed" in done.stdout
 
 
-def test_the_same_in_a_kept_pool(project, tmp_path):
-    runtime = Path(tempfile.mkdtemp(prefix="kw", dir="/tmp"))  # short: a socket's path has 108 bytes
-    env = project.env(XDG_RUNTIME_DIR=str(runtime))
-    try:
-        for _ in range(2):  # the second run forks its ranks from the kept zygote
-            done = _pytest(project, "--keep-pool", "120", env=env)
-            assert done.returncode == 0, done.tail
-            assert "3 passed" in done.stdout
-    finally:
-        project.harness("pool", "stop", env=env, timeout=60)
-        shutil.rmtree(runtime, ignore_errors=True)
+def test_the_same_in_a_kept_pool(project):
+    """The suite's kept pool (tests/conftest.py), whose ranks other projects' cells used before."""
+    assert kept.ENV in project.env()
+    done = _pytest(project)
+    assert done.returncode == 0, done.tail
+    assert "3 passed" in done.stdout
 
 
 def test_the_same_under_torchrun_on_the_first_ranks_of_an_8_rank_job(project, tmp_path):
