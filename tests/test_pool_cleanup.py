@@ -86,12 +86,11 @@ def user_env(tmpdir: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stagger", [0.0, 6.0], ids=["together", "workers 6 s later"])
-def test_sigkill_of_pytest_and_its_workers_under_busy_cores_leaves_nothing(tmp_path, stagger):
+def test_sigkill_of_pytest_and_its_workers_under_busy_cores_leaves_nothing(tmp_path):
     """A loaded run: ``pytest -n 2`` over tp4 cells, both cores busy, pytest and its two workers
-    SIGKILLed after 3 cells. Every process of the run and every pool directory must go by themselves.
-    ``stagger``: the workers' SIGKILL that much after pytest's; by then execnet has interrupted them
-    (after 5 s without their controller) and they are tearing their pools down."""
+    SIGKILLed after 3 cells: one worker with pytest, mid-cell, the other 6 s later, when execnet has
+    interrupted it (after 5 s without its controller) and it is tearing its pools down. Every
+    process of the run and every pool directory must go by themselves."""
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     lines: queue.Queue = queue.Queue()
@@ -118,8 +117,8 @@ def test_sigkill_of_pytest_and_its_workers_under_busy_cores_leaves_nothing(tmp_p
             assert len(workers) == 2 and len(pools) == 4, (workers, pools)
             run.kill()
             run.wait()
-            time.sleep(stagger)
-            for pid in workers:
+            for stagger, pid in zip((0.0, 6.0), workers):
+                time.sleep(stagger)
                 with contextlib.suppress(ProcessLookupError):  # a worker may have ended by itself
                     os.kill(pid, signal.SIGKILL)
             left = wait_until(lambda: run_processes(tmpdir), 60)
