@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from harness.bisect.runner import Trials
+from harness.config import Config
 from harness.explore.__main__ import targets
 from harness.explore.strategies import configs, runnable
 from harness.registry import COMPONENTS, Component, Space, get, register_component, register_implementation
@@ -181,8 +182,6 @@ def test_exploration_finds_and_shrinks_the_planted_bug(tmp_path, target):
                    "--max-seconds", "1500", "--shrink-seconds", "15", timeout=2400)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     (found,) = results(project)
-    from harness.config import Config
-
     minimal, first = Config.parse(found["minimal"]), Config.parse(found["first"])
     shape = PLANTED[target][3]
     assert shape(minimal) and shape(first), (minimal.id, first.id)
@@ -216,25 +215,33 @@ def test_a_seeded_search_draws_the_same_configs_whatever_literals_the_projects_m
     assert len(plain) > 60 and drawn(edited, CONFTEST + "import literals  # noqa: F401\n") == plain
 
 
-@pytest.mark.slow
-# 0.2 s: hypothesis's shrinking is cut short (by an exception through hypothesis); the config it was
-# trying then passes, and it must not reach the database (it did, and a loaded CI run replayed it first)
-@pytest.mark.parametrize("shrink", ["30", "0.2"], ids=["shrunk", "shrink cut short"])
-def test_a_second_run_replays_the_stored_failure_first_and_reports_it_in_seconds(tmp_path, shrink):
-    project = tmp_path / "project"
-    # unseeded, the only kind of search that stores its failure in the database
-    budget = ("--ignore", "loss", "--max-examples", EXAMPLES, "--max-seconds", "400", "--shrink-seconds", shrink)
-    first = explore(project, "tp:rowsplit", *budget)
-    assert first.returncode == 1, first.stdout[-3000:] + first.stderr[-3000:]
-    assert list((project / ".hypothesis" / "explore").iterdir())  # the database is in the project
-    (one,) = results(project)
+def replays(project: Path, budget: tuple[str, ...]) -> dict:
+    """A second search of tp:rowsplit in ``project``, whose database holds the failure a first one
+    stored: it replays it first and reports it in seconds. Its result."""
     again = explore(project, "tp:rowsplit", *budget)
     assert again.returncode == 1, again.stdout[-3000:] + again.stderr[-3000:]
     (two,) = results(project)
     assert two["stored examples"] == 1 and two["replayed from the database"] and two["found at trial"] == 1, two
     assert two["found after seconds"] < 10, two
-    assert "[explore tp:rowsplit] replay" in again.stderr.splitlines()[0] or "replay" in again.stderr
+    assert "[explore tp:rowsplit] replay" in again.stderr
     assert "replayed from the example database" in again.stdout
+    assert PLANTED["tp:rowsplit"][3](Config.parse(two["minimal"])), two["minimal"]
+    return two
+
+
+@pytest.mark.slow
+def test_a_second_run_replays_a_failure_whose_shrinking_was_cut_short(tmp_path):
+    """0.2 s: hypothesis's shrinking is cut short (by an exception through hypothesis); the config it
+    was trying then passes, and it must not reach the database (it did, and a loaded CI run replayed
+    it first). The replay of a fully shrunk failure: the pytest entry's test below."""
+    project = tmp_path / "project"
+    # unseeded, the only kind of search that stores its failure in the database
+    budget = ("--ignore", "loss", "--max-examples", EXAMPLES, "--max-seconds", "400", "--shrink-seconds", "0.2")
+    first = explore(project, "tp:rowsplit", *budget)
+    assert first.returncode == 1, first.stdout[-3000:] + first.stderr[-3000:]
+    assert list((project / ".hypothesis" / "explore").iterdir())  # the database is in the project
+    (one,) = results(project)
+    two = replays(project, budget)
     assert two["minimal"] == one["minimal"] or two["trials"] <= one["trials"]
 
 
@@ -254,7 +261,7 @@ def test_mine(cfg, parity):
 
 
 @pytest.mark.slow
-def test_pytest_explore_fails_the_target_whose_cells_it_selected_with_the_line_for_the_matrix(tmp_path):
+def test_pytest_explore_fails_the_target_whose_cells_it_selected_and_the_command_line_replays_its_failure(tmp_path):
     project = tmp_path / "project"
     project.mkdir()
     (project / "test_mine.py").write_text(TEST_MODULE)
@@ -273,6 +280,8 @@ def test_pytest_explore_fails_the_target_whose_cells_it_selected_with_the_line_f
     assert "[explore tp:rowsplit] search" in done.stdout  # progress lines reach the terminal
     assert 'add it to the matrix in test_mine.py: CELLS.append(Config.parse("tp-rowsplit-' in done.stdout
     assert list((project / ".hypothesis" / "explore").iterdir())
+    # the same project's database, under the same key: the command line replays what the gate found
+    replays(project, ("--ignore", "loss", "--max-examples", EXAMPLES, "--max-seconds", "400", "--shrink-seconds", "30"))
 
 
 # ---- the nightly workflow ---------------------------------------------------------------------------------
