@@ -89,10 +89,11 @@ def pytest_sessionstart(session):
 
 
 def pytest_report_header(config):
-    """The library versions under test, and a warning when one is not the thirdparty extra's pin."""
-    from .versions import line, mismatch_warning
+    """The harness's own version, the library versions under test, and a warning when one is not
+    the thirdparty extra's pin."""
+    from .versions import harness, line, mismatch_warning
 
-    return [f"paritytest: {line()}"] + [w for w in [mismatch_warning()] if w]
+    return [f"{harness()}: {line()}"] + [w for w in [mismatch_warning()] if w]
 
 
 def _check_implementations() -> None:

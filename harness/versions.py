@@ -1,4 +1,5 @@
-"""Which versions of the libraries under test ran, and which ones the ``thirdparty`` extra pins.
+"""Which versions of the harness and of the libraries under test ran, and which ones the
+``thirdparty`` extra pins.
 
 The cells of the third-party implementations certify one version of each library: the one pinned in
 ``pyproject.toml``'s ``thirdparty`` extra, the only place the pins are written. A maintainer who
@@ -94,6 +95,17 @@ def libraries() -> list[Library]:
     return [library(name) for name in LIBRARIES]
 
 
+def harness() -> Library:
+    """paritytest itself, as installed (``paritytest not installed``: a checkout run without its
+    install): which release's checks gave the verdicts."""
+    return Library(PACKAGE, installed(PACKAGE), None)
+
+
+def recorded() -> list[Library]:
+    """What a run records of itself: the harness, then every library under test."""
+    return [harness(), *libraries()]
+
+
 def line(libs: list[Library] | None = None) -> str:
     """``torch 2.13.0, transformers 5.22.2 (pinned 5.23.0), megatron-core 0.16.1``."""
     return ", ".join(map(str, libraries() if libs is None else libs))
@@ -149,8 +161,9 @@ def from_json(value: str) -> list[Library]:
 
 
 def to_json(libs: list[Library] | None = None) -> str:
-    """The :data:`PROPERTY` junit property's value: the libraries (installed ones by default) as JSON."""
-    return json.dumps([lib.as_dict() for lib in (libraries() if libs is None else libs)])
+    """The :data:`PROPERTY` junit property's value: ``libs`` (by default :func:`recorded`, the harness
+    and the libraries installed here) as JSON."""
+    return json.dumps([lib.as_dict() for lib in (recorded() if libs is None else libs)])
 
 
 def record_in_junit(config) -> None:

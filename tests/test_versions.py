@@ -73,16 +73,21 @@ def test_the_run_header_and_junit_xml_name_the_versions_here(pytester):
     pytester.makepyfile(test_nothing="def test_nothing():\n    pass\n")
     result = pytester.runpytest_subprocess("--junitxml=out.xml")
     header = result.stdout.lines[:result.stdout.lines.index(next(l for l in result.stdout.lines if "collected" in l))]
-    assert any(line.startswith(f"paritytest: torch {torch.__version__}, transformers ") for line in header), header
+    from importlib.metadata import version
+
+    harness = f"paritytest {version('paritytest')}"  # which release's checks ran, first
+    assert any(line.startswith(f"{harness}: torch {torch.__version__}, transformers ") for line in header), header
     suite = ET.parse(pytester.path / "out.xml").getroot()
     recorded = suite.find(".//properties/property[@name='versions']")
-    assert [lib.name for lib in versions.from_json(recorded.get("value"))] == ["torch", "transformers", "megatron-core",
-                                                                             "accelerate"]
+    assert [str(lib) for lib in versions.from_json(recorded.get("value"))][:2] == [harness, f"torch {torch.__version__}"]
+    assert [lib.name for lib in versions.from_json(recorded.get("value"))] == [
+        "paritytest", "torch", "transformers", "megatron-core", "accelerate"]
 
 
 def test_the_report_names_the_versions_and_warns_at_the_top(tmp_path):
     """``python -m harness.report`` on junit XML whose run had another transformers installed."""
-    libs = [Library("torch", "2.13.0", None), Library("transformers", "5.22.2", "5.23.0")]
+    libs = [Library("paritytest", "0.2.0", None), Library("torch", "2.13.0", None),
+            Library("transformers", "5.22.2", "5.23.0")]
     junit = tmp_path / "cases.xml"
     junit.write_text(
         "<testsuites><testsuite name='pytest' tests='1'><properties>"
@@ -94,9 +99,9 @@ def test_the_report_names_the_versions_and_warns_at_the_top(tmp_path):
     lines = done.stdout.splitlines()
     assert lines[0].startswith("## ")  # the headline stays first
     assert lines[2].startswith("⚠️ **transformers 5.22.2 is installed, the thirdparty extra pins 5.23.0")
-    assert lines[4] == "**Versions:** torch 2.13.0, transformers 5.22.2 (pinned 5.23.0)"
+    assert lines[4] == "**Versions:** paritytest 0.2.0, torch 2.13.0, transformers 5.22.2 (pinned 5.23.0)"
     page = (tmp_path / "report.html").read_text()
-    assert "<b>Versions:</b> torch 2.13.0, transformers 5.22.2 (pinned 5.23.0)" in page
+    assert "<b>Versions:</b> paritytest 0.2.0, torch 2.13.0, transformers 5.22.2 (pinned 5.23.0)" in page
 
 
 @pytest.mark.slow  # runs three cells in a pytest of its own
@@ -119,7 +124,7 @@ def test_a_maintainer_with_an_older_transformers_installed_over_the_pin_is_told(
     assert done.returncode == 0, done.tail
     older = f"transformers {OLDER_TRANSFORMERS}"
     header = out[:out.index("collected ")]
-    assert f"paritytest: torch 2.13.0" in header and f"{older} (pinned 5.23.0), megatron-core 0.16.1" in header
+    assert ": torch 2.13.0" in header and f"{older} (pinned 5.23.0), megatron-core 0.16.1" in header
     warning = f"WARNING: {older} is installed, the thirdparty extra pins 5.23.0"
     assert out.count(warning) == 1 and warning in header  # once, at the top
     assert re.search(rf"^SKIPPED .*: {re.escape(older)}: ", out, re.M)  # the skip reason

@@ -176,7 +176,7 @@ def test_the_gates_commands_run_here_write_the_summary_with_the_per_component_ta
     assert int(rows["`tp`"][0]) >= 1 and int(rows["`ringattn`"][0]) >= 1 and int(rows["`tp`"][1]) == 0
     assert re.search(r"^Harness tests: \d+ passed, 0 failed", text, re.M)
     assert "**Goldens:** " in text  # the drift headline in the first screen
-    assert "**Versions:** torch " in text
+    assert "**Versions:** paritytest " in text and ", torch " in text
     for name in ("tests.xml", "cases.xml", "golden-diff.md", "golden-check.txt", "summary.md", "report.html",
                  "heatmap-tp.png", "heatmap-ringattn.png"):
         assert (reports / name).is_file(), name
@@ -220,6 +220,6 @@ def test_readmes_caller_runs_in_an_outside_project(tmp_path):
     text = summary.read_text()
     assert text.startswith("## ✅ Parity: all 6 cells that ran passed")
     assert _summary_rows(text)["`tp`"][:2] == [" 6 ", " 0 "]
-    assert "**Goldens:** " in text and "**Versions:** torch 2.13.0" in text
+    assert "**Goldens:** " in text and "**Versions:** paritytest " in text and ", torch 2.13.0" in text
     for name in ("cases.xml", "golden-diff.md", "golden-check.txt", "summary.md", "report.html", "heatmap-tp.png"):
         assert (project / "reports" / name).is_file(), name
