@@ -95,7 +95,8 @@ def test_a_parallelize_that_reads_the_world_passes_on_cells_of_2_4_and_8_ranks_i
 
 
 def test_the_same_in_a_kept_pool(project):
-    """The suite's kept pool (tests/conftest.py), whose ranks other projects' cells used before."""
+    """The suite's kept pool (tests/conftest.py): the ranks fork from a keeper's zygote that outlives
+    this run and serves the other projects of the suite."""
     assert kept.ENV in project.env()
     done = _pytest(project)
     assert done.returncode == 0, done.tail
