@@ -25,6 +25,14 @@ def gloo_devices(ctx, payload):
     return names.count("gloo_tcp_loop")
 
 
+def timer_slack(ctx, payload):
+    """Rank task: how late the kernel may wake this thread's timed waits, and those of the threads it
+    starts (gloo's loops, made by ``new_group`` on this thread), in ns."""
+    import ctypes
+
+    return ctypes.CDLL(None).prctl(30, 0, 0, 0, 0)  # PR_GET_TIMERSLACK
+
+
 def rank_sums(ctx, payload):
     """Rank task: the sum of ranks over each dim's group of the cell's mesh (the groups carry traffic)."""
     import torch
@@ -82,3 +90,11 @@ def test_meshes_over_the_same_ranks_add_no_gloo_devices(pool):
 def test_a_user_group_destroyed_and_made_again_still_works(pool):
     sums = pool.run(f"{__name__}:new_and_destroyed", None, (("tp", 4),))
     assert sums[0] == sums[1] == [2.0, 2.0] and sums[2] == sums[3] == []
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/timerslack_ns"), reason="timer slack is Linux's")
+def test_gloo_loops_of_a_rank_wake_rarely(pool):
+    """Each group's loop polls every 10 ms plus the slack of the thread that made it: at the kernel's
+    default slack (50 us) a rank's ~20 idle loops woke 2,000 times a second."""
+    slack = pool.run(f"{__name__}:timer_slack", None, FIRST[0])
+    assert all(ns >= 20_000_000 for ns in slack.values()), f"ranks' timer slack (ns): {slack}"

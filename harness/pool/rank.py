@@ -28,6 +28,14 @@ from . import pooldir
 from .state import Baseline
 
 PR_SET_PDEATHSIG = 1
+PR_SET_TIMERSLACK = 29
+# How late the kernel may wake a rank's timed waits. gloo's transport loop (a thread per process
+# group) sleeps in epoll_wait with a 10 ms timeout to poll for its own shutdown, idle or not; a rank
+# holds ~20 groups, so a pool's ranks woke ~30,000 times a second: a sixth to a quarter of the
+# matrix's CPU on 2 cores (docs/performance.md). A
+# socket or pipe still wakes the loop at once, so collectives are as fast; only a group's teardown,
+# which waits for its loop's next tick, takes up to this much longer (a new world: ~0.1 s).
+TIMER_SLACK_NS = 40_000_000
 
 
 def die_with_parent(parent: int, sig: int = signal.SIGKILL, orphaned=None) -> None:
@@ -49,6 +57,13 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL, orphaned=None) -> No
                 time.sleep(0.5)
 
         threading.Thread(target=watch, name="harness-parent-watch", daemon=True).start()
+
+
+def relax_timers(slack_ns: int = TIMER_SLACK_NS) -> None:
+    """Let the kernel fold this thread's timed waits, and those of the threads it starts from now on
+    (gloo's loops), into fewer wakeups (:data:`TIMER_SLACK_NS`). Linux only; elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, slack_ns)
 
 
 class Zygote:
@@ -217,6 +232,7 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
     os.dup2(log, 1)
     os.dup2(log, 2)
     die_with_parent(zygote)
+    relax_timers()
     stacks = open(os.path.join(spec["tmp"], f"rank{rank}.stack"), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
 
