@@ -33,6 +33,18 @@ def timer_slack(ctx, payload):
     return ctypes.CDLL(None).prctl(30, 0, 0, 0, 0)  # PR_GET_TIMERSLACK
 
 
+def two_names_per_rank_set(ctx, payload):
+    """Rank task: torchtitan's dense and sparse meshes when ep borrows from tp (dp=2, tp=2, ep=2):
+    ``fsdp`` and ``efsdp`` over the same ranks, ``tp`` and ``ep`` too. Whether each pair is one group,
+    and the gloo devices this rank holds after."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dense = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
+    sparse = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+    return {"fsdp is efsdp": dense.get_group("fsdp") is sparse.get_group("efsdp"),
+            "tp is ep": dense.get_group("tp") is sparse.get_group("ep"), "devices": gloo_devices(ctx, None)}
+
+
 def rank_sums(ctx, payload):
     """Rank task: the sum of ranks over each dim's group of the cell's mesh (the groups carry traffic)."""
     import torch
@@ -98,3 +110,14 @@ def test_gloo_loops_of_a_rank_wake_rarely(pool):
     default slack (50 us) a rank's ~20 idle loops woke 2,000 times a second."""
     slack = pool.run(f"{__name__}:timer_slack", None, FIRST[0])
     assert all(ns >= 20_000_000 for ns in slack.values()), f"ranks' timer slack (ns): {slack}"
+
+
+def test_one_cell_gets_a_group_per_name_over_the_same_ranks(pool):
+    """FSDP2 requires the parameters it shards over one group to share one mesh: torchtitan's fsdp and
+    efsdp dims over the same ranks must stay two groups within a cell, as torch makes them. The next
+    cell that asks the same gets the same groups back (no device more)."""
+    first = pool.run(f"{__name__}:two_names_per_rank_set", None, FIRST[0])
+    again = pool.run(f"{__name__}:two_names_per_rank_set", None, FIRST[0])
+    for rank, told in first.items():
+        assert not told["fsdp is efsdp"] and not told["tp is ep"], (rank, told)
+        assert again[rank]["devices"] == told["devices"], (rank, told, again[rank])

@@ -8,17 +8,22 @@ up: ~600 threads a rank, ~5,000 in a pool, and their wakeups alone kept both cor
 busy (the matrix with the model cells took 976 s instead of ~210 s).
 
 A rank runs one cell at a time, and every member of a group issues its collectives in program
-order, so two groups over the same ranks (same backend, timeout and options) are interchangeable:
-the rank creates each such group once and hands the same group back to every later request. Every
-rank of the world still calls ``new_group`` in the same order (its cache sees the same requests), so
-the collective group creation stays in step. A ``destroy_process_group`` of a shared group keeps
-it (another mesh may hold it); ``destroy_process_group()`` of everything clears the cache too.
+order, so groups over the same ranks (same backend, timeout and options) may be reused from cell to
+cell: the rank keeps the groups it made per rank set and hands them back to later requests. Within one
+cell, though, groups of different names over the same ranks stay different groups, as torch makes
+them: code may key on a group's identity (FSDP2 requires the parameters it shards over one group to
+share one mesh, so torchtitan's ``fsdp`` and ``efsdp`` dims, both over ranks 0 and 2 when ep borrows
+from tp, must not be one group). So the k-th name a cell asks for over a rank set gets the rank set's
+k-th group (:func:`next_task` starts the count again). Every rank of the world still calls
+``new_group`` in the same order (its cache sees the same requests), so the collective group creation
+stays in step. A ``destroy_process_group`` of a kept group keeps it (another mesh may hold it);
+``destroy_process_group()`` of everything clears the cache too.
 """
 from __future__ import annotations
 
-from typing import Any
 
-_shared: dict[tuple, Any] = {}  # request key -> what new_group returned (a group, or the non-member mark)
+_shared: dict[tuple, list] = {}  # request key -> what new_group returned for it (a group, or the non-member mark)
+_named: dict[tuple, dict] = {}  # this task: request key -> {group_desc: index in _shared[key]}
 
 
 def share_groups() -> None:
@@ -42,15 +47,18 @@ def share_groups() -> None:
             return create(**call)
         members = None if ranks is None else tuple(sorted(int(r) for r in ranks))
         key = (members, timeout, backend, use_local_synchronization, device_id)
-        if key not in _shared:
-            _shared[key] = create(**call)
-        return _shared[key]
+        made, names = _shared.setdefault(key, []), _named.setdefault(key, {})
+        index = names.setdefault(group_desc, len(names))
+        if index == len(made):
+            made.append(create(**call))
+        return made[index]
 
     def destroy_process_group(group=None):
         if group is None:
             _shared.clear()
+            _named.clear()
             return destroy(group)
-        if any(group is kept for kept in _shared.values()):
+        if any(group is kept for made in _shared.values() for kept in made):
             return None  # shared with other meshes over the same ranks: kept for the process's life
         return destroy(group)
 
@@ -61,6 +69,11 @@ def share_groups() -> None:
         module.destroy_process_group = destroy_process_group
 
 
+def next_task() -> None:
+    """A new task begins: its first group of each name over a rank set is again the set's first."""
+    _named.clear()
+
+
 def own_groups() -> int:
     """How many process groups this process holds beyond its default group and the groups it
     shares by rank set: those a cell's code made with options of their own and left."""
@@ -68,11 +81,11 @@ def own_groups() -> int:
 
     if not dist.is_initialized():
         return 0
-    shared = {id(g) for g in _shared.values()}
+    shared = {id(g) for made in _shared.values() for g in made}
     default = dist.distributed_c10d._get_default_group()
     return sum(1 for g in dist.distributed_c10d._world.pg_map if g is not default and id(g) not in shared)
 
 
 def shared_count() -> int:
     """How many distinct groups this process has created through the cache."""
-    return len(_shared)
+    return sum(len(made) for made in _shared.values())

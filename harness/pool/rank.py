@@ -241,7 +241,7 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
 
     from ..world import World
     from .backend import rank_device
-    from .groups import share_groups
+    from .groups import next_task, share_groups
 
     torch.set_num_threads(1)
     conn = Connection(fd)
@@ -272,6 +272,7 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
                 _send(conn, ("idle", task, rank, None, None))
                 continue
             with world.inside(size, master_port):
+                next_task()
                 if build_meshes(meshes, (mesh, *extra), backend) or entered:
                     baseline.rebase()  # what torch installs lazily as it makes groups is no cell's doing
                 if rank >= mesh.world:

@@ -105,6 +105,7 @@ class RankRunner(Attempts):
     def _enter_round(self, mesh: tuple, extra: tuple, size: int, world: int, label: str, deadline: float) -> str:
         """A round's setup on every rank: its world, its key, its meshes (collective over the world),
         its scratch directory, and on rank 0 what the next attempt must judge if this one dies in it."""
+        from ..pool.groups import next_task
         from ..pool.rank import build_meshes
 
         cells = self.session.cell_world
@@ -122,6 +123,7 @@ class RankRunner(Attempts):
         # keyed by the test and the call's number within it, not a job-wide count: a rank that
         # skipped a round for any reason cannot read another test's outcomes or verdict as its own
         self._key, self._gathered = f"{self._test}/{self._task}", False
+        next_task()
         # Collective over the cell's world, as in the pool's mesh build round: setup, not the case.
         if self.rank < size:
             with cells.inside(size):
