@@ -1,9 +1,9 @@
 """``python -m harness.zoo torchtitan`` as a user runs it, from a directory of their own, with torchtitan
 installed as docs/zoo.md says (the extra, then torchtitan without its dependencies) into an environment
 of the test's over this one: qwen3 through torchtitan's own ``parallelize_fn`` green on both DTensor
-backends with sequence parallel on and off; a bug planted in torchtitan (FSDP's gradient division left on, in a
-copy of the installed package) red where FSDP reduces and green where it does not; without torchtitan,
-one line that says how to install it."""
+backends with sequence parallel on and off; bugs planted in torchtitan (in a copy of the installed
+package: FSDP's gradient division left on; the expert-parallel combine's routing scores detached) red
+where they act and green where they do not; without torchtitan, one line that says how to install it."""
 import json
 import os
 import shutil
@@ -82,11 +82,40 @@ def test_a_bug_planted_in_torchtitan_is_red_where_fsdp_reduces(titan_python, tmp
     done = subprocess.run([str(titan_python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf"], cwd=project,
                           env=env, capture_output=True, text=True, timeout=600)
     out = done.stdout
-    assert done.returncode == 1 and "2 failed, 2 passed" in out, out[-5000:] + done.stderr[-2000:]
+    # dp=2 runs sp_off alone (SP acts with tp only), tp=2 both
+    assert done.returncode == 1 and "1 failed, 2 passed" in out, out[-5000:] + done.stderr[-2000:]
     # the FAILED lines' node ids (a line may repeat its id in its message: CI's terminal is wider)
     failed = [line.split()[1] for line in out.split("short test summary")[1].splitlines() if line.startswith("FAILED")]
-    assert len(failed) == 2 and all("ttllama3-partial-dp2-" in f for f in failed), failed
+    assert len(failed) == 1 and "ttllama3-partial-dp2-fp32-sp_off-" in failed[0], failed
     assert "first diverging module: lm_head (parameter gradients, step 1)" in out and "1/dp" in out, out[-5000:]
+
+
+def test_a_bug_planted_in_torchtitans_expert_parallel_combine_is_red_on_the_ep_cells_alone(titan_python, tmp_path):
+    # the all-to-all dispatcher's combine with the routing scores detached: the forward is unchanged, the
+    # router's gradient is lost, on cells whose tokens cross ranks (ep > 1, borrowed from dp or from tp)
+    installed = subprocess.run([str(titan_python), "-c", "import torchtitan, os; print(os.path.dirname(torchtitan.__file__))"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    planted = tmp_path / "planted"
+    shutil.copytree(installed, planted / "torchtitan")
+    dispatcher = planted / "torchtitan" / "models" / "common" / "token_dispatcher.py"
+    text = dispatcher.read_text()
+    scores = "* metadata.topk_scores_experts_sorted_N.reshape(-1, 1)"
+    at = text.index(scores, text.index("class AllToAllTokenDispatcher"))
+    dispatcher.write_text(text[:at] + scores.replace("N.reshape", "N.detach().reshape") + text[at + len(scores):])
+    env = dict(env_for(tmp_path), PYTHONPATH=os.pathsep.join([str(planted), env_for(tmp_path)["PYTHONPATH"]]))
+    done = zoo(titan_python, tmp_path, "--only", "qwen3_moe", "--plans", "partial", "--meshes", "dp=2;dp=2,tp=2",
+               "-n", "2", "--out", "out", env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = {r["cell"]: r for r in json.loads((tmp_path / "out" / "zoo.json").read_text())["cells"]}
+    cell = "ttqwen3moe-partial-{}-fp32-ep_{}.sp_{}-steps3-seed0".format
+    assert {c: r["verdict"] for c, r in found.items()} == {
+        cell("dp2", 2, "off"): "red", cell("dp2.tp2", 2, "on"): "red",  # the plant
+        cell("dp2.tp2", 1, "on"): "pass", cell("dp2.tp2", 1, "off"): "pass",  # no all-to-all: right
+        cell("dp2.tp2", 2, "off"): "known"}, found  # torchtitan 0.3.0's own crash (KNOWN_EP_TP_SP_OFF)
+    for red in (cell("dp2", 2, "off"), cell("dp2.tp2", 2, "on")):
+        assert found[red]["why"].startswith("first diverging module: layers.1.moe.router.gate (input gradient, "
+                                            "step 1, microbatch 0), in the backward pass: every judged forward "
+                                            "output matches"), found[red]
 
 
 def test_without_torchtitan_the_zoo_says_how_to_install_it(tmp_path):
