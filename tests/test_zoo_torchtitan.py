@@ -118,6 +118,14 @@ def test_a_bug_planted_in_torchtitans_expert_parallel_combine_is_red_on_the_ep_c
                                             "output matches"), found[red]
 
 
+def test_meshes_the_zoo_does_not_run_are_one_line_and_a_repeated_option_adds(titan_python, tmp_path):
+    done = zoo(titan_python, tmp_path, "--only", "qwen3_moe", "--meshes", "dp=8", "--meshes", "dp=3;tp=8")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == ("python -m harness.zoo torchtitan: no cell of qwen3_moe on dp=8; dp=3; tp=8: the "
+                                   "MoE models run dp=2; dp=2,tp=2; dp=4; rep=2,dp=2; rep=2,dp=2,tp=2; tp=2"), done.stderr
+    assert not (tmp_path / "zoo-out").exists()
+
+
 def test_without_torchtitan_the_zoo_says_how_to_install_it(tmp_path):
     if subprocess.run([sys.executable, "-c", "import torchtitan"], capture_output=True).returncode == 0:
         pytest.skip("torchtitan is installed here")

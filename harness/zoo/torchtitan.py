@@ -318,15 +318,19 @@ def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = PLANS,
         # off puts a parameter on the first build's mesh), so a warm rank's verdict hung on the cells before
         register_component(model_component(name_of(model), f"harness.zoo.torchtitan:case({model})", list(plans),
                                            preload=("harness.zoo.torchtitan",), fresh=True))
-        chosen = MOE_MESHES if model in MOE else [(mesh, None, ()) for mesh in MESHES]
+        # an MoE model runs the meshes of MOE_MESHES that were asked for, each with its ep
+        chosen = [m for m in MOE_MESHES if m[0] in meshes] if model in MOE else [(m, None, ()) for m in meshes]
         for mesh, ep, cannot in chosen:
             runs = [plan for plan in plans if plan not in cannot]
-            if (meshes is not MESHES and mesh not in meshes) or not runs:
+            if not runs:
                 continue
             # sequence parallelism acts with tp only: without tp, sp_on would certify what sp_off does
             sp = ["on", "off"] if "tp=" in mesh else ["off"]
             out += model_cells(name_of(model), impls=runs, meshes=[mesh],
                                switches={"sp": sp, **({"ep": [ep]} if ep else {})})
+    if not out:
+        raise ValueError(f"no cell of {', '.join(only or CONFIGS)} on {'; '.join(meshes)}: the MoE models run "
+                         f"{'; '.join(sorted({m[0] for m in MOE_MESHES}))}")
     return out
 
 
