@@ -179,6 +179,11 @@ def _experts_in_their_dtype(self, x_RD, num_tokens_per_expert_E):
 
 CONFIGS = {"llama3": _llama3, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe}
 MOE = ("qwen3_moe",)
+EXPERT_DEGREES = ("1", "2", "4")
+# the MoE models' meshes: (dense mesh, ep, backends that cannot run it here: NOT_RUN says why), ep
+# borrowed from dp_shard and tp as torchtitan's ParallelDims borrows it (efsdp = dp * tp / ep)
+MOE_MESHES = (("dp=2", "2", ()), ("dp=4", "4", ()), ("dp=4", "2", ()), ("dp=2,tp=2", "1", ()), ("dp=2,tp=2", "2", ()),
+              ("tp=2", "2", ()), ("rep=2,dp=2", "2", ()), ("rep=2,dp=2,tp=2", "2", ("full",)))
 # torchtitan bugs the zoo found, by the releases that have them: their cells run as strict xfails,
 # so a release that fixes one turns them into XPASS, reported as ``fixed``
 KNOWN_EP_TP_SP_OFF = (
@@ -199,11 +204,6 @@ def _known(cfg) -> str | None:
 def _module(model: str) -> str:
     """The torchtitan package of a zoo model (its registry and ``parallelize_fn``)."""
     return f"torchtitan.models.{model.removesuffix('_moe')}"
-EXPERT_DEGREES = ("1", "2", "4")
-# the MoE models' meshes: (dense mesh, ep, backends that cannot run it here: NOT_RUN says why), ep
-# borrowed from dp_shard and tp as torchtitan's ParallelDims borrows it (efsdp = dp * tp / ep)
-MOE_MESHES = (("dp=2", "2", ()), ("dp=4", "4", ()), ("dp=4", "2", ()), ("dp=2,tp=2", "1", ()), ("dp=2,tp=2", "2", ()),
-              ("tp=2", "2", ()), ("rep=2,dp=2", "2", ()), ("rep=2,dp=2,tp=2", "2", ("full",)))
 
 
 # ---- one case per model: the trainer's order ----------------------------------------------------------------
@@ -292,10 +292,12 @@ def _parallelize(model_name: str):
 def case(model: str) -> ModelCase:
     """The cell family of one torchtitan model (registered as ``harness.zoo.torchtitan:case(<model>)``)."""
     _shim()  # torchtitan missing: how to install it
-    moe = dict(fp32_ops=("_grouped_mm",), switches={"ep": EXPERT_DEGREES}, xfail={impl: _known for impl in BACKENDS}) if model in MOE else {"switches": {}}
+    moe = model in MOE
     return ModelCase(build=lambda: _build(model), batch=batch, loss=loss, forward=forward, loss_reduction="sum",
                      parallelize={impl: _parallelize(model) for impl in BACKENDS},
-                     switches={"sp": ("on", "off"), **moe.pop("switches")}, acts_with={"sp": ("tp",)}, **moe)
+                     switches={"sp": ("on", "off"), **({"ep": EXPERT_DEGREES} if moe else {})},
+                     acts_with={"sp": ("tp",)}, fp32_ops=("_grouped_mm",) if moe else (),
+                     xfail={impl: _known for impl in BACKENDS} if moe else {})
 
 
 def name_of(model: str) -> str:
