@@ -130,38 +130,25 @@ def _llama3():
             attn_backend="flex"))
 
 
-def _qwen3():
+def _qwen3(moe: bool = False):
+    """qwen3, untied, with its q/k norms; ``moe``: its MoE layers (``SIZES``' experts, top-k, softmax
+    router, the all-to-all dispatcher when ep > 1) in place of the dense FFN."""
     from torchtitan.models import qwen3
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 
     s, head_dim = SIZES, SIZES["dim"] // SIZES["heads"]
+    shared = dict(n_layers=s["layers"], dim=s["dim"], n_heads=s["heads"], n_kv_heads=s["kv_heads"], head_dim=head_dim,
+                  attn_backend="flex", rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=64, theta=1000000.0))
+    layers = (qwen3._build_qwen3_moe_layers(moe_hidden_dim=s["dim"], num_experts=s["experts"], top_k=s["top_k"],
+                                            moe_comm_backend="standard", **shared) if moe
+              else qwen3._build_qwen3_layers(hidden_dim=2 * s["dim"], **shared))
     return qwen3.Qwen3Model.Config(
         dim=s["dim"], vocab_size=s["vocab"], enable_weight_tying=False,
         tok_embeddings=Embedding.Config(num_embeddings=s["vocab"], embedding_dim=s["dim"],
                                         param_init=qwen3._EMBEDDING_INIT),
         norm=qwen3._qwen3_norm(s["dim"]),
         lm_head=Linear.Config(in_features=s["dim"], out_features=s["vocab"], param_init=qwen3._LINEAR_INIT),
-        layers=qwen3._build_qwen3_layers(
-            n_layers=s["layers"], dim=s["dim"], n_heads=s["heads"], n_kv_heads=s["kv_heads"], head_dim=head_dim,
-            hidden_dim=2 * s["dim"], attn_backend="flex",
-            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=64, theta=1000000.0)))
-
-
-def _qwen3_moe():
-    from torchtitan.models import qwen3
-    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-
-    s, head_dim = SIZES, SIZES["dim"] // SIZES["heads"]
-    return qwen3.Qwen3Model.Config(
-        dim=s["dim"], vocab_size=s["vocab"],
-        tok_embeddings=Embedding.Config(num_embeddings=s["vocab"], embedding_dim=s["dim"],
-                                        param_init=qwen3._EMBEDDING_INIT),
-        norm=qwen3._qwen3_norm(s["dim"]),
-        lm_head=Linear.Config(in_features=s["dim"], out_features=s["vocab"], param_init=qwen3._LINEAR_INIT),
-        layers=qwen3._build_qwen3_moe_layers(
-            n_layers=s["layers"], dim=s["dim"], n_heads=s["heads"], n_kv_heads=s["kv_heads"], head_dim=head_dim,
-            moe_hidden_dim=s["dim"], num_experts=s["experts"], top_k=s["top_k"], attn_backend="flex",
-            moe_comm_backend="standard", rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=64, theta=1000000.0)))
+        layers=layers)
 
 
 def _experts_in_their_dtype(self, x_RD, num_tokens_per_expert_E):
@@ -177,7 +164,7 @@ def _experts_in_their_dtype(self, x_RD, num_tokens_per_expert_E):
     return self._grouped_mm(A=h, B_t=w2.transpose(-2, -1), offs=offsets)
 
 
-CONFIGS = {"llama3": _llama3, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe}
+CONFIGS = {"llama3": _llama3, "qwen3": _qwen3, "qwen3_moe": lambda: _qwen3(moe=True)}
 MOE = ("qwen3_moe",)
 EXPERT_DEGREES = ("1", "2", "4")
 # the MoE models' meshes: (dense mesh, ep, backends that cannot run it here: NOT_RUN says why), ep
