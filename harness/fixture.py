@@ -20,7 +20,12 @@ import pytest
 
 from .commands import rerun_command
 from .config import Config
+from .known import headline
 from .record import PROPERTY, cell_record, worst
+
+class KnownFailure(pytest.fail.Exception):
+    """A declared divergence's cell that failed as declared: the only failure its xfail expects."""
+
 
 def told(record: dict, judge, *args):
     """``judge(*args)`` -> ``(failure, outcome)``, with what the cell's code left changed in its
@@ -78,8 +83,10 @@ class CellCheck:
                 after = (f"If this cell passes (XPASS), the upstream behaviour changed: remove its entry from "
                          f"{cell.impl.xfail}" if disposition.strict
                          else "Whether it shows depends on this machine's kernels: it may pass here (XPASS)")
+                # only the declared failure is expected (KnownFailure, raised below); another one fails
                 self.request.applymarker(pytest.mark.xfail(
-                    strict=disposition.strict, reason=f"known divergence of {cfg.impl}: {disposition.reason}. {after}"))
+                    strict=disposition.strict, raises=KnownFailure,
+                    reason=f"known divergence of {cfg.impl}: {disposition.reason}. {after}"))
             if self.runner is None:
                 failure, outcome = told(record, self.judge, cell, self.pool, record, start)
             else:
@@ -88,10 +95,25 @@ class CellCheck:
                 failure, outcome = told(record, on_ranks, self, cell, self.runner, record, start)
         record["seconds"] = record.get("seconds") or round(time.perf_counter() - start, 4)
         if failure is not None:  # outside the except block: the report shows our message, no chain
+            if disposition.kind == "xfail":
+                failure = self._as_declared(disposition.known, failure, record)
             pytest.fail(failure, pytrace=False)
         if record["status"] == "skipped":  # judged on rank 0 under torchrun: every rank skips alike
             pytest.skip(record["reason"])
         return outcome
+
+    @staticmethod
+    def _as_declared(known, failure: str, record: dict) -> str:
+        """A declared cell's failure: raised as :class:`KnownFailure` (the xfail) when it is the
+        declared one; else the failure it is, saying what was declared instead (``record``'s
+        ``declared``: ``holds`` or ``differs``)."""
+        line = record.get("where") or headline(failure)
+        if known.holds(line):
+            record["declared"] = "holds"
+            raise KnownFailure(failure, pytrace=False)
+        record["declared"] = "differs"
+        return (f"{failure}\nnot the declared divergence: it was declared to fail with a first line matching "
+                f"{known.shows!r}, and this one's is {line!r}. The declared reason: {known}")
 
     def judge(self, cell, pool, record: dict, start: float):
         """Run the resolved ``cell`` (:class:`harness.resolve.Cell`) through ``pool`` (the warm pool, or rank 0's runner) and judge it: the failure
@@ -110,11 +132,13 @@ class CellCheck:
             # a declared divergence does not pay for the re-run that localises it, and has no golden file:
             # where it matches (a non-strict one on this machine's kernels) it would record numbers that
             # another machine's run of it does not reach
+            # (unless its declaration names the line it must fail with: then that line is found)
             declared = cell.disposition.kind == "xfail"
+            localised = not declared or bool(cell.disposition.known.shows)
             outcome = run_cell(cell, pool, golden_dir=None if declared else self.golden_dir,
                                update_golden=opt("--update-golden"),
                                missing_golden="fail" if opt("--strict-golden") else "write", rerun=rerun,
-                               diagnose=not declared, scratch=scratch)
+                               diagnose=localised, scratch=scratch)
         except Divergence as error:
             record["kind"] = error.kind
             record.update(worst(error.report), **error.record)

@@ -20,6 +20,7 @@ import torch
 
 from .compare.tolerance import Tolerances
 from .config import Config, ConfigError
+from .known import Known
 from .names import NOT_JUDGED
 from .paths import load
 from .registry import (Component, Diagnosis, Implementation, check_rules, diagnosed, get, meshes_of, ranks_needed,
@@ -39,11 +40,13 @@ class Disposition:
     ``run``; ``invalid``: it breaks a rule (``reason`` names it; the cell fails before any rank runs);
     ``skip``: its implementation cannot run it here (a library or capability missing, too few ranks
     in a torchrun job); ``xfail``: a divergence its implementation declares, run in full (``strict``:
-    a match fails, saying the upstream behaviour changed; not where it shows on some machines only)."""
+    a match fails, saying the upstream behaviour changed; not where it shows on some machines only;
+    ``known``: the declaration, whose ``holds`` says whether a failure is the declared one)."""
 
     kind: Literal["run", "invalid", "skip", "xfail"]
     reason: str = ""
     strict: bool = True
+    known: Known | None = None
 
 
 RUN = Disposition("run")
@@ -170,7 +173,9 @@ def resolve(cfg: Config, pool_size: int | None = None, job_size: int | None = No
         return replace(cell, disposition=Disposition("skip", reason))
     known = load(impl.xfail)(cfg) if impl.xfail else None
     if known:
-        return replace(cell, disposition=Disposition("xfail", str(known), getattr(known, "strict", True)))
+        if not isinstance(known, Known):  # a plain reason: any failure is the declared one
+            known = Known(str(known), strict=getattr(known, "strict", True))
+        return replace(cell, disposition=Disposition("xfail", str(known), known.strict, known))
     return cell
 
 

@@ -18,6 +18,8 @@ import importlib.metadata as metadata
 import json
 from dataclasses import dataclass
 
+from .known import Known
+
 # the distributions a run reports, in this order: torch is pinned in the install command (README,
 # .ci/run), not in the package metadata, so it has no pin here
 LIBRARIES = ("torch", "transformers", "megatron-core", "accelerate")
@@ -137,22 +139,16 @@ def about(name: str, reason: str) -> str:
     return f"{named(name)}: {reason}"
 
 
-class Declared(str):
-    """A declared divergence's reason (:func:`declared`). ``strict`` False: whether a cell shows it
-    depends on the machine (bf16 rounding in kernels that differ from one CPU to another), so its
-    cell runs as a non-strict xfail: a pass there says nothing about upstream."""
-
-    strict: bool = True
+class Declared(Known):
+    """A declared divergence of a library (:func:`declared`): its reason names the version."""
 
 
-def declared(name: str, reason: str, strict: bool = True) -> Declared:
+def declared(name: str, reason: str, strict: bool = True, shows: str = "") -> Declared:
     """A declared divergence's reason, naming the installed version, and the pinned one it was
-    declared for when they differ; ``strict``: see :class:`Declared`."""
+    declared for when they differ; ``strict`` and ``shows``: see :class:`harness.known.Known`."""
     lib = library(name)
-    text = Declared(f"{name} {lib.installed} is installed, this was declared for the pinned {lib.pinned}: {reason}"
-                    if lib.differs else about(name, reason))
-    text.strict = strict
-    return text
+    return Declared(f"{name} {lib.installed} is installed, this was declared for the pinned {lib.pinned}: {reason}"
+                    if lib.differs else about(name, reason), shows=shows, strict=strict)
 
 
 def from_json(value: str) -> list[Library]:

@@ -77,7 +77,7 @@ class UserProject:
         """The environment its commands run with: this run's, with the checkout and the project
         importable (as an installed harness and pytest's rootdir would make them), ``extra`` on top."""
         paths = [str(ROOT), str(self.path), os.environ.get("PYTHONPATH", "")]
-        return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), TMPDIR=str(self.tmp), **extra)
+        return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), TMPDIR=str(self.tmp)) | extra
 
     def run(self, *command: str, timeout: float = 600, env: dict[str, str] | None = None,
             junit: Path | None = None) -> Run:

@@ -89,7 +89,7 @@ import pytest
 from harness.matrix import cells
 from reference.tp import SIZES
 
-CELLS = cells("tp", impls=["buggy", "fixed"], meshes=["tp=2"], dtypes=["fp32"], sizes=SIZES,
+CELLS = cells("tp", impls=["buggy", "held", "another", "fixed"], meshes=["tp=2"], dtypes=["fp32"], sizes=SIZES,
               switches={"op": ["mlp"]})
 
 @pytest.mark.parametrize("cfg", CELLS, ids=str)
@@ -98,31 +98,42 @@ def test_tp(cfg, parity):
 """
 
 
-def test_declared_divergences_run_as_strict_xfail_and_an_upstream_fix_says_remove_the_entry(pytester, monkeypatch):
+def test_declared_divergences_run_as_strict_xfail_held_to_their_first_line_and_an_upstream_fix_says_remove_the_entry(
+        pytester, monkeypatch):
+    """One bug (the column-parallel input gradient left unreduced) declared three ways: a plain reason (any
+    failure), a ``Known`` whose ``shows`` is where it starts (xfail), and a ``Known`` whose ``shows``
+    is another bug's (a failure naming both); and the right code declared (XPASS, strict)."""
     monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     pytester.makepyfile(test_cells=CASES)
     pytester.makepyfile(impls='''
-import harness.parallel.tp as tp
-
-def buggy(ctx, cfg):
-    right, tp.row_parallel = tp.row_parallel, lambda x, w, b, group: tp.F.linear(x, w) + b  # all-reduce forgotten
-    try:
-        return tp.run(ctx, cfg)
-    finally:  # the rank serves later cells too
-        tp.row_parallel = right
+from harness.known import Known
 
 def declared(cfg):
-    return "drops the row-parallel all-reduce"
+    return "the column-parallel input gradient is never all-reduced"
+
+def held(cfg):
+    return Known("the column-parallel input gradient is never all-reduced", shows=r"^first diverging event: bwd fc1 ")
+
+def another(cfg):
+    return Known("the row-parallel output is never all-reduced", shows=r"^first diverging event: fwd fc2 ")
 ''')
-    pytester.makeconftest('''
+    buggy = "tests.planted:tp_column_backward_unreduced"
+    pytester.makeconftest(f'''
 from harness.registry import register_implementation
-register_implementation("tp", "buggy", "impls:buggy", xfail="impls:declared")
+register_implementation("tp", "buggy", "{buggy}", xfail="impls:declared")
+register_implementation("tp", "held", "{buggy}", xfail="impls:held")
+register_implementation("tp", "another", "{buggy}", xfail="impls:another")
 register_implementation("tp", "fixed", "harness.parallel.tp:run", xfail="impls:declared")   # "fixed upstream"
 ''')
-    result = pytester.runpytest_subprocess("--pool-size", "2", "-p", "no:cacheprovider", "-rxX")
-    result.assert_outcomes(xfailed=1, failed=1)
-    result.stdout.fnmatch_lines(["XFAIL*buggy*known divergence of buggy: drops the row-parallel all-reduce*"])
+    result = pytester.runpytest_subprocess("--pool-size", "2", "-p", "no:cacheprovider", "-rxXf")
+    result.assert_outcomes(xfailed=2, failed=2)
+    result.stdout.fnmatch_lines(["XFAIL*buggy*known divergence of buggy: the column-parallel input gradient*"])
+    result.stdout.fnmatch_lines(["XFAIL*held*known divergence of held: the column-parallel input gradient*"])
     result.stdout.fnmatch_lines(["*XPASS(strict)*known divergence of fixed*remove its entry from impls:declared*"])
+    result.stdout.fnmatch_lines(["*not the declared divergence: it was declared to fail with a first line matching "
+                                 "'^first diverging event: fwd fc2 ', and this one's is 'first diverging event: bwd fc1 *"
+                                 "The declared reason: the row-parallel output is never all-reduced"])
+    assert "FAILED test_cells.py::test_tp[tp-another-" in result.stdout.str()
     assert not list((pytester.path / "golden").rglob("*buggy*"))  # a divergent cell writes no golden
 
 

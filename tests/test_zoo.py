@@ -3,9 +3,11 @@ plan passes at every mesh, a plan with a known upstream bug (apertus in transfor
 release) is ``known`` and its fix passes, an architecture the generic shrink cannot build is a skip
 that says why (never a red), and a bad option is one line with the fix."""
 import json
+import os
 
 import pytest
 
+from tests.checkout import copy_checkout
 from tests.project import ROOT, UserProject
 
 
@@ -38,6 +40,28 @@ def test_the_zoo_checks_each_plan_and_skips_what_it_cannot_build(project):
     assert cells["hfllama4-tp-tp2-fp32-plain-steps3-seed0"]["why"].startswith("not built tiny: "), cells
     table = (project.path / "out" / "zoo.md").read_text()
     assert "6 pass, 0 red, 0 crash, 2 skip, 2 known, 0 fixed" in table, table
+
+
+def test_a_known_bug_whose_cell_fails_another_way_is_red_saying_so(project, tmp_path):
+    """A throwaway copy of the tree whose apertus entry declares another first line than the one its
+    cells fail with: they are red, naming where they start and the bug declared, not known."""
+    pytest.importorskip("transformers", reason="pip install -e '.[thirdparty]'")
+    tree = copy_checkout(tmp_path / "tree")
+    source = tree / "harness" / "zoo" / "transformers.py"
+    declared = r'r"^first diverging module: model\.layers\.\d+\.mlp\.act_fn \(parameter gradients, step 1\)"'
+    assert declared in source.read_text()
+    source.write_text(source.read_text().replace(declared, r'r"^first diverging module: .*down_proj"'))
+    env = project.env(PYTHONPATH=os.pathsep.join([str(tree), str(project.path)]))
+    done = project.harness("zoo", "transformers", "--only", "apertus", "--plans", "tp", "-n", "1", "--out", "out",
+                           env=env, timeout=900)
+    assert done.returncode == 0, done.tail
+    cells = {r["cell"]: r for r in json.loads((project.path / "out" / "zoo.json").read_text())["cells"]}
+    assert {c: r["verdict"] for c, r in cells.items()} == {
+        "hfapertus-tp-tp2-fp32-plain-steps3-seed0": "red", "hfapertus-tp-tp4-fp32-plain-steps3-seed0": "red",
+        "hfapertus-tpfixed-tp2-fp32-plain-steps3-seed0": "pass"}, cells
+    why = cells["hfapertus-tp-tp2-fp32-plain-steps3-seed0"]["why"]
+    assert why.startswith("first diverging module: model.layers.1.mlp.act_fn (parameter gradients, step 1)"), why
+    assert "(not the declared bug, transformers 5.23.0: the MLP's xIELU activation" in why, why
 
 
 def test_an_unknown_plan_is_one_line_with_the_choices(project):

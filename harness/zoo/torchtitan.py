@@ -30,6 +30,7 @@ from importlib.util import find_spec
 
 import torch
 
+from harness.known import Known
 from harness.model import ModelCase, model_cells, running, switches
 from harness.model.register import model_component
 from harness.registry import register_component
@@ -171,20 +172,21 @@ EXPERT_DEGREES = ("1", "2", "4")
 # borrowed from dp_shard and tp as torchtitan's ParallelDims borrows it (efsdp = dp * tp / ep)
 MOE_MESHES = (("dp=2", "2", ()), ("dp=4", "4", ()), ("dp=4", "2", ()), ("dp=2,tp=2", "1", ()), ("dp=2,tp=2", "2", ()),
               ("tp=2", "2", ()), ("rep=2,dp=2", "2", ()), ("rep=2,dp=2,tp=2", "2", ("full",)))
-# torchtitan bugs the zoo found, by the releases that have them: their cells run as strict xfails,
-# so a release that fixes one turns them into XPASS, reported as ``fixed``
+# torchtitan bugs the zoo found, by the releases that have them: their cells run as strict xfails
+# held to the line the crash shows, so a release that fixes one turns them into XPASS, reported as
+# ``fixed``, and one that fails them otherwise into a crash that says so
 KNOWN_EP_TP_SP_OFF = (
     "0.3.0", "ep borrowed from tp with sequence parallel off crashes in the MoE's routed experts "
     "(`Can not redistribute from S(1) to P(sum), redistributing to Partial is for internal use only`); with "
-    "SP on the same mesh passes")
+    "SP on the same mesh passes", r"Can not redistribute from S\(1\) to P\(sum\)")
 
 
-def _known(cfg) -> str | None:
+def _known(cfg) -> Known | None:
     """Why a cell of an MoE model fails in this torchtitan release, or None."""
-    release, reason = KNOWN_EP_TP_SP_OFF
+    release, reason, shows = KNOWN_EP_TP_SP_OFF
     switched, mesh = dict(cfg.switches), dict(cfg.mesh)
     if version() == release and int(switched.get("ep", 1)) > 1 and mesh.get("tp", 1) > 1 and switched["sp"] == "off":
-        return f"torchtitan {release}: {reason}"
+        return Known(f"torchtitan {release}: {reason}", shows=shows)
     return None
 
 

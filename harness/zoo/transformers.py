@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.examples import llama_hf, pretrained_hf, qwen3moe_hf
+from harness.known import Known
 from harness.model import ModelCase, model_cells
 from harness.model.register import model_component
 from harness.registry import get, register_component
@@ -57,66 +58,88 @@ OVERRIDES: dict[str, dict] = {
 
 
 @dataclass(frozen=True)
-class Known:
-    """A divergence or crash of one architecture's shipped plans in a range of transformers
-    releases, found by the zoo and traced in transformers' source: its cells run as strict xfails
-    there, so a release that fixes it turns them into an XPASS the zoo reports as ``fixed``.
+class KnownBug:
+    """A divergence or crash of one architecture's shipped plans, found by the zoo and traced in
+    transformers' source: its cells run as strict xfails held to ``shows`` (a regular expression of
+    the failure's first line: where the divergence starts, or the crash's own line), on the releases
+    it was ``seen`` on and every later one. A release that fixes it turns its cells into an XPASS the
+    zoo reports as ``fixed``; one that fails them otherwise, a red or crash saying so.
 
     ``fix``: the ``tp_plan`` entries that make the TP plan right, where one exists: the zoo also
     runs the plan with them (implementation ``tpfixed``), which must pass."""
 
     model_type: str
     plans: tuple[str, ...]  # of PLANS
-    versions: str  # a PEP 440 specifier of the transformers releases that ship it: ">=5.23"
+    seen: tuple[str, ...]  # the transformers releases the zoo ran it on, and saw it: ("5.23.0",)
     reason: str
+    shows: str
     fix: dict[str, str] = field(default_factory=dict)
+
+    def declared(self, installed: str) -> Known:
+        """Its declaration for a cell on transformers ``installed``: the reason says whether this
+        release is one it was seen on."""
+        seen = ", ".join(self.seen)
+        where = (f"transformers {installed}" if installed in self.seen
+                 else f"transformers {installed}, a release it has not been seen on yet (seen on {seen})")
+        return Known(f"{where}: {self.reason}", shows=self.shows)
 
 
 _NORMS = "q_norm and k_norm (RMSNorm over each head) run on each rank's heads and are left plain by the plan"
-KNOWN: tuple[Known, ...] = (
+KNOWN: tuple[KnownBug, ...] = (
     # silent: gradients left per-rank partial sums (each fix turns the cell green)
-    Known("apertus", ("tp", "tpauto"), ">=5.23",
-          "the MLP's xIELU activation has parameters (alpha_p, alpha_n) and runs on each rank's shard of the "
-          "up projection; the plan leaves it plain, so their gradients stay per-rank partial sums over tp",
-          fix={"model.layers.*.mlp.act_fn": "replicated_with_grad_allreduce"}),
-    *(Known(model_type, ("tp", "tpauto", "tpep"), ">=5.23",
-            f"{_NORMS} (Qwen3's own plan has replicated_with_grad_allreduce): their weights' gradients stay "
-            "per-rank partial sums over tp",
-            fix={"layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
-                 "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"})
+    KnownBug("apertus", ("tp", "tpauto"), ("5.23.0",),
+             "the MLP's xIELU activation has parameters (alpha_p, alpha_n) and runs on each rank's shard of the "
+             "up projection; the plan leaves it plain, so their gradients stay per-rank partial sums over tp",
+             r"^first diverging module: model\.layers\.\d+\.mlp\.act_fn \(parameter gradients, step 1\)",
+             fix={"model.layers.*.mlp.act_fn": "replicated_with_grad_allreduce"}),
+    *(KnownBug(model_type, ("tp", "tpauto", "tpep"), ("5.23.0",),
+               f"{_NORMS} (Qwen3's own plan has replicated_with_grad_allreduce): their weights' gradients stay "
+               "per-rank partial sums over tp",
+               r"^first diverging module: layers\.\d+\.self_attn\.[qk]_norm \(parameter gradients, step 1\)",
+               fix={"layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+                    "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"})
       for model_type in ("qwen3_vl_moe_text", "qwen3_omni_moe_text")),
-    Known("hrm_text", ("tpauto",), ">=5.23",
-          "save_pretrained writes q/k/v/gate and gate/up fused (gqkv_proj, gate_up_proj: conversion_mapping.py); "
-          "from_pretrained(tp_plan='auto') shards the fused tensor before chunking it, so each rank loads the "
-          "wrong rows of every colwise projection (one process loads them right, and so does "
-          "maybe_distribute_model on a built model)"),
+    KnownBug("hrm_text", ("tpauto",), ("5.23.0",),
+             "save_pretrained writes q/k/v/gate and gate/up fused (gqkv_proj, gate_up_proj: conversion_mapping.py); "
+             "from_pretrained(tp_plan='auto') shards the fused tensor before chunking it, so each rank loads the "
+             "wrong rows of every colwise projection (one process loads them right, and so does "
+             "maybe_distribute_model on a built model)",
+             r"^first diverging module: model\.L_module\.layers\.0\.self_attn\.q_proj \(output, step 1"),
     # crashes at tp=2
-    Known("doge", ("tp", "tpauto"), ">=5.23",
-          "crash: dt_proj is rowwise, so the dynamic attention mask it makes holds every head while q/k/v are "
-          "colwise (each rank's heads): eager_attention_forward adds a 4-head mask to 2-head scores"),
-    Known("embedding_gemma2_text", ("tp", "tpauto"), ">=5.23",
-          "crash: the full-attention layers have one key/value head of 512 (per_layer_config); the colwise "
-          "k_proj/v_proj split it across ranks and .view(..., -1, head_dim) fails"),
-    Known("esmc", ("tp", "tpauto"), ">=5.23",
-          "crash: q_norm/k_norm are LayerNorms over the whole hidden size, applied to the colwise q/k "
-          "projections' local halves"),
-    *(Known(model_type, ("tp", "tpauto", "tpep"), ">=5.23",
-            "crash: the token embedding applies its own RMSNorm (embed_norm) inside its forward, on the rowwise "
-            "embedding's partial sums before the style reduces them: DTensor cannot reduce a Partial there")
+    KnownBug("doge", ("tp", "tpauto"), ("5.23.0",),
+             "crash: dt_proj is rowwise, so the dynamic attention mask it makes holds every head while q/k/v are "
+             "colwise (each rank's heads): eager_attention_forward adds a 4-head mask to 2-head scores (at tp=4 "
+             "it broadcasts over 1-head scores, and o_proj gets 4 heads' worth)",
+             r"in module model\.layers\.0\.self_attn(\.o_proj)?: RuntimeError: (The size of tensor a \(2\) must match "
+             r"the size of tensor b \(4\)|shape '\[32, 8\]' is invalid)"),
+    KnownBug("embedding_gemma2_text", ("tp", "tpauto"), ("5.23.0",),
+             "crash: the full-attention layers have one key/value head of 512 (per_layer_config); the colwise "
+             "k_proj/v_proj split it across ranks and .view(..., -1, head_dim) fails",
+             r"in module layers\.1\.self_attn: RuntimeError: shape '\[4, 8, -1, 512\]' is invalid"),
+    KnownBug("esmc", ("tp", "tpauto"), ("5.23.0",),
+             "crash: q_norm/k_norm are LayerNorms over the whole hidden size, applied to the colwise q/k "
+             "projections' local halves",
+             r"in module layers\.0\.self_attn\.q_norm: RuntimeError: Given normalized_shape=\[32\]"),
+    *(KnownBug(model_type, ("tp", "tpauto", "tpep"), ("5.23.0",),
+               "crash: the token embedding applies its own RMSNorm (embed_norm) inside its forward, on the rowwise "
+               "embedding's partial sums before the style reduces them: DTensor cannot reduce a Partial there",
+               r"in module (model\.)?embed_tokens\.embed_norm: AssertionError")
       for model_type in ("inkling_text", "muse_glimmer_text", "muse_spark_text")),
-    Known("llama4_text", ("tp", "tpauto"), ">=5.23",
-          "crash: the MoE block adds the routed experts' output in place (out.add_) to the shared expert's "
-          "output, a view _ToTorchTensor returns under autograd"),
+    KnownBug("llama4_text", ("tp", "tpauto"), ("5.23.0",),
+             "crash: the MoE block adds the routed experts' output in place (out.add_) to the shared expert's "
+             "output, a view _ToTorchTensor returns under autograd",
+             r"in module model\.layers\.0\.feed_forward: RuntimeError: Output 0 of _ToTorchTensor is a view"),
 )
 
 
-def known(model_type: str, plan: str) -> Known | None:
-    """The :class:`Known` divergence of ``model_type``'s ``plan`` in the installed transformers."""
-    from packaging.specifiers import SpecifierSet
+def known(model_type: str, plan: str) -> KnownBug | None:
+    """The :class:`KnownBug` of ``model_type``'s ``plan`` on the installed transformers: one seen on
+    this release or an earlier one."""
+    from packaging.version import Version
     from transformers import __version__
 
     return next((k for k in KNOWN if k.model_type == model_type and plan in k.plans
-                 and __version__ in SpecifierSet(k.versions, prereleases=True)), None)
+                 and Version(__version__) >= min(map(Version, k.seen))), None)
 
 
 class Unbuildable(Exception):
@@ -316,7 +339,7 @@ def case(model_type: str) -> ModelCase:
     for plan in list(parallelize):
         found = known(model_type, plan)
         if found is not None:
-            xfail[plan] = lambda cfg, found=found: f"transformers {found.versions}: {found.reason}"
+            xfail[plan] = lambda cfg, found=found: found.declared(version())
             if found.fix:
                 parallelize["tpfixed"] = functools.partial(tp_with, tp_plan=found.fix)
                 supports["tpfixed"] = _tp_only
