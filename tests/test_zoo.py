@@ -1,7 +1,8 @@
 """``python -m harness.zoo transformers`` as a user runs it, from a directory of their own: a right
-plan passes at every mesh, a plan with a known upstream bug (apertus in transformers 5.23, the pinned
-release) is ``known`` and its fix passes, an architecture the generic shrink cannot build is a skip
-that says why (never a red), and a bad option is one line with the fix."""
+plan passes at every mesh, a plan with a known upstream bug (apertus and inkling2_text, whose router
+forces fp32, in transformers 5.23, the pinned release) is ``known`` and its fix passes, an
+architecture the generic shrink cannot build is a skip that says why (never a red), and a bad option
+is one line with the fix."""
 import json
 import os
 
@@ -23,7 +24,8 @@ def zoo(project, *args):
 
 def test_the_zoo_checks_each_plan_and_skips_what_it_cannot_build(project):
     pytest.importorskip("transformers", reason="pip install -e '.[thirdparty]'")
-    done = zoo(project, "--only", "llama,qwen3_moe,llama4,apertus", "--plans", "tp,ep", "-n", "2", "--out", "out")
+    done = zoo(project, "--only", "llama,qwen3_moe,llama4,apertus,inkling2_text", "--plans", "tp,ep", "-n", "2",
+               "--out", "out")
     assert done.returncode == 0, done.tail
     cells = {r["cell"]: r for r in json.loads((project.path / "out" / "zoo.json").read_text())["cells"]}
     verdicts = {cell: r["verdict"] for cell, r in cells.items()}
@@ -36,10 +38,17 @@ def test_the_zoo_checks_each_plan_and_skips_what_it_cannot_build(project):
         # transformers 5.23's apertus plan leaves the xIELU activation's parameters' gradients partial:
         # known there, and its one-rule override passes
         "hfapertus-tp-tp2-fp32-plain-steps3-seed0": "known", "hfapertus-tp-tp4-fp32-plain-steps3-seed0": "known",
-        "hfapertus-tpfixed-tp2-fp32-plain-steps3-seed0": "pass"}, verdicts
+        "hfapertus-tpfixed-tp2-fp32-plain-steps3-seed0": "pass",
+        # its router runs in fp32 ("as in the original"): the reference runs that op from its fp32 kernel,
+        # and the plan's 'colwise' fused gate_up_proj is known, its 'packed_colwise' fix passes
+        "hfinkling2text-tp-tp2-fp32-plain-steps3-seed0": "known",
+        "hfinkling2text-tp-tp4-fp32-plain-steps3-seed0": "known",
+        "hfinkling2text-tpfixed-tp2-fp32-plain-steps3-seed0": "pass",
+        "hfinkling2text-ep-dp2-fp32-ep_2-steps3-seed0": "pass",
+    }, verdicts
     assert cells["hfllama4-tp-tp2-fp32-plain-steps3-seed0"]["why"].startswith("not built tiny: "), cells
     table = (project.path / "out" / "zoo.md").read_text()
-    assert "6 pass, 0 red, 0 crash, 2 skip, 2 known, 0 fixed" in table, table
+    assert "8 pass, 0 red, 0 crash, 2 skip, 4 known, 0 fixed" in table, table
 
 
 def test_a_known_bug_whose_cell_fails_another_way_is_red_saying_so(project, tmp_path):

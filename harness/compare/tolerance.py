@@ -63,7 +63,9 @@ is exact only to fp32 rounding there. Such a reference still certifies fp32, bf1
 under the same policy: what it adds is at most one fp32 rounding and an fp32 accumulation per such
 op, the same order as the run's own error in an fp32 cell and far below a bf16 one. It cannot
 certify agreement finer than fp32 rounding of those ops: an fp64 cell of such a model, or a bug
-whose whole effect is below that rounding, is beyond it.
+whose whole effect is below that rounding, is beyond it. The same holds where the model asks for
+fp32 itself (``x.float()`` against an fp64 weight in a router): the op that fails on those mixed
+inputs runs from its fp32 kernel in the reference (``harness.model.train.Fp32Ops``).
 """
 from __future__ import annotations
 

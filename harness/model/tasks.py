@@ -217,20 +217,31 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def reference(case: ModelCase, cfg: Config) -> dict[str, torch.Tensor]:
     """``loss/step<k>``, ``grad/<p>`` (step 1), ``param/<p>`` and ``opt/<state>/<p>`` (after the last
     step) of the same model on one process in fp64, trained on the whole global batch of every step;
-    ``{NOT_JUDGED: why}`` instead when it draws random numbers (:mod:`harness.model.draws`)."""
-    trainer = OneProcess(case, cfg)
-    trainer.recorder = Recorder([trainer.model]) if events.active() else None
-    trainer.draws = drawn = Draws(trainer.model)
-    try:
-        result = _trained(trainer, cfg)
-    except (RuntimeError, NotImplementedError) as error:
-        if "Double" not in str(error):
-            raise
-        raise CellError(_no_fp64(case, trainer, error)) from error
+    ``{NOT_JUDGED: why}`` instead when it draws random numbers (:mod:`harness.model.draws`).
+
+    A model whose fp64 run fails on fp64 is run again with each op that fails on inputs mixing fp32
+    and fp64 computed in fp32, as the model asks (:class:`harness.model.train.Fp32Ops`): only such a
+    model pays for the second run and the op-by-op dispatch."""
+    first = None
+    for mixed in (False, True):
+        trainer = OneProcess(case, cfg, mixed=mixed)
+        trainer.recorder = Recorder([trainer.model]) if events.active() else None
+        trainer.draws = drawn = Draws(trainer.model)
+        try:
+            result = _trained(trainer, cfg)
+            break
+        except (RuntimeError, NotImplementedError) as error:
+            if trainer.recorder is not None:
+                trainer.recorder.remove()
+            if "double" not in str(error).lower():  # "no kernel for Double", "float != double"
+                raise
+            if first is not None:  # no mixing to blame: a kernel with no fp64 (fp32_ops) or another failure
+                raise CellError(_no_fp64(case, first[0], first[1])) from first[1]
+            first = (trainer, error)
     if trainer.recorder is not None:
         trainer.recorder.remove()
     if drawn.drew:  # no parallel run draws these numbers as one process does: nothing to compare
-        return {NOT_JUDGED: _random(case, cfg)}
+        return {NOT_JUDGED: _random(case, cfg, mixed)}
     return result
 
 
@@ -255,10 +266,10 @@ def _trained(trainer: OneProcess, cfg: Config) -> dict[str, torch.Tensor]:
     return result | {name: t.detach().clone() for name, t in state_of(trainer.params, trainer.optimizer).items()}
 
 
-def _random(case: ModelCase, cfg: Config) -> str:
+def _random(case: ModelCase, cfg: Config, mixed: bool) -> str:
     """What to say when the reference drew random numbers: its steps again, from the start, noting
     each op that draws and the module it runs in."""
-    trainer = OneProcess(case, cfg)
+    trainer = OneProcess(case, cfg, mixed=mixed)
     trainer.draws = watched = Draws(trainer.model, watch=True)
     trainer.train(range(cfg.size("steps")))
     return not_judged(trainer.model, watched.found)

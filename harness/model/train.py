@@ -130,32 +130,50 @@ class Trainer:
 
 
 class Fp32Ops:
-    """While active, the named aten ops (``"_grouped_mm"``) run from their fp32 kernel: fp64 inputs
-    cast to fp32, fp32 outputs cast back to fp64 (the fp64 reference of a model whose kernel has no
-    fp64 implementation), in forward and backward alike."""
+    """While active (the fp64 reference), ops run from their fp32 kernel, fp64 inputs cast to fp32,
+    in forward and backward alike: the named aten ops (``"_grouped_mm"``: a kernel with no fp64
+    implementation), their fp32 outputs cast back to fp64; and with ``mixed``, an op that fails on
+    floating inputs mixing fp32 and fp64 because the model asked for fp32 there itself (a router
+    that runs ``x.float()`` against its weight, "in fp32, as in the original"), its output left in
+    fp32 as the model's own code expects. An op that runs as it is runs unchanged."""
 
-    def __init__(self, names: tuple[str, ...]):
+    def __init__(self, names: tuple[str, ...], mixed: bool = False):
         self.names = {name.replace("aten::", "").replace("aten.", "").split(".")[0] for name in names}
+        self.mixed = mixed
 
     def __enter__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_map
+        from torch.utils._pytree import tree_flatten, tree_map
 
-        names = self.names
+        names, mixed_too = self.names, self.mixed
 
         def cast(dtype_from, dtype_to):
             return lambda x: x.to(dtype_to) if isinstance(x, torch.Tensor) and x.dtype == dtype_from else x
 
+        def mixed(args, kwargs) -> bool:
+            dtypes = {x.dtype for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)}
+            return {torch.float32, torch.float64} <= dtypes
+
+        def in_fp32(func, args, kwargs):
+            down = cast(torch.float64, torch.float32)
+            out = func(*tree_map(down, args), **tree_map(down, kwargs))
+            return tree_map(cast(torch.float32, torch.float64), out) if func.overloadpacket.__name__ in names else out
+
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
-                if func.overloadpacket.__name__ not in names:
+                if func.overloadpacket.__name__ in names:
+                    return in_fp32(func, args, kwargs)
+                if not mixed_too:
                     return func(*args, **kwargs)
-                down = cast(torch.float64, torch.float32)
-                out = func(*tree_map(down, args), **tree_map(down, kwargs))
-                return tree_map(cast(torch.float32, torch.float64), out)
+                try:
+                    return func(*args, **kwargs)
+                except RuntimeError:
+                    if not mixed(args, kwargs):
+                        raise
+                return in_fp32(func, args, kwargs)  # an fp32 result, as the model's fp32 code expects
 
-        self.mode = Mode() if names else None
+        self.mode = Mode() if names or mixed_too else None
         if self.mode is not None:
             self.mode.__enter__()
         return self
@@ -168,12 +186,13 @@ class Fp32Ops:
 class OneProcess(Trainer):
     """The whole model on one process, trained on the whole global batch: in fp64 without autocast
     (``reference``), or as the cell starts it, on the cell's batches under its autocast (the
-    tolerance's calibration, a model a reshard cell resumes whole)."""
+    tolerance's calibration, a model a reshard cell resumes whole). ``mixed``: the reference of a
+    model that asks for fp32 itself (:class:`Fp32Ops`)."""
 
     draws = None  # harness.model.draws.Draws in the reference: watches each step for random numbers
 
-    def __init__(self, case: ModelCase, cfg: Config, reference: bool = True):
-        self.case, self.cfg, self.reference = case, cfg, reference
+    def __init__(self, case: ModelCase, cfg: Config, reference: bool = True, mixed: bool = False):
+        self.case, self.cfg, self.reference, self.mixed = case, cfg, reference, mixed
         self.model = start_model(case, cfg)
         if reference:
             self.model = self.model.double()
@@ -185,7 +204,7 @@ class OneProcess(Trainer):
 
     def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.reference:
-            with Fp32Ops(self.case.fp32_ops), self.draws or contextlib.nullcontext():
+            with Fp32Ops(self.case.fp32_ops, self.mixed), self.draws or contextlib.nullcontext():
                 loss = self.case.loss(self.case.forward(self.model, batch), batch)
                 loss.backward()
             return scalar(loss)

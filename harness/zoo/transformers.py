@@ -105,6 +105,18 @@ KNOWN: tuple[KnownBug, ...] = (
              "wrong rows of every colwise projection (one process loads them right, and so does "
              "maybe_distribute_model on a built model)",
              r"^first diverging module: model\.L_module\.layers\.0\.self_attn\.q_proj \(output, step 1"),
+    KnownBug("inkling2_text", ("tp",), ("5.23.0",),
+             "the plan shards the experts' fused gate_up_proj 'colwise' where Qwen3-MoE's has 'packed_colwise': each "
+             "rank holds a contiguous half of [gate; up], and the experts' chunk(2) pairs gate rows with gate rows, "
+             "so the forward is wrong (its router runs in fp32, so the zoo's reference runs that op from its fp32 "
+             "kernel as the model asks)",
+             r"^first diverging module: model\.layers\.0\.mlp\.experts\.act_fn\.gate_softcap \(output, step 1",
+             fix={"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise"}),
+    KnownBug("inkling2_text", ("tpauto",), ("5.23.0",),
+             "from_pretrained loads each rank the packed halves of the experts' fused gate_up_proj, so its forward "
+             "is right, but labels them with the plan's 'colwise' placement: gathered (full_tensor, a "
+             "save_pretrained) the parameter and its gradient come out with gate and up rows interleaved wrongly",
+             r"^first diverging module: model\.layers\.\d+\.mlp\.experts \(parameter gradients, step 1\)"),
     # crashes at tp=2
     KnownBug("doge", ("tp", "tpauto"), ("5.23.0",),
              "crash: dt_proj is rowwise, so the dynamic attention mask it makes holds every head while q/k/v are "
