@@ -81,14 +81,24 @@ class MeshManager:
 
 def distribute(model, meshes, **sizes):
     """``maybe_distribute_model`` with a ``DistributedConfig`` of the harness mesh's degrees: the
-    model's own TP/EP/FSDP plans, applied by transformers."""
+    model's own TP/EP/FSDP plans, applied by transformers, in ``from_pretrained``'s order: it runs
+    before tied weights are tied (a tied ``lm_head.weight`` is no parameter of its own, and the plan
+    names it), so a built model's tied weights are untied for it, with their values, and tied again
+    after, to the parallelized source."""
     from harness.examples.hf import DistributedConfig
 
     spec = meshes.spec
     if spec.cp > 1 or spec.pp > 1:
         raise ValueError("transformers parallelizes this model over tp, dp, rep and ep only")
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})  # target -> source
+    for target, source in tied.items():
+        owner, _, name = target.rpartition(".")
+        setattr(model.get_submodule(owner), name, torch.nn.Parameter(model.get_parameter(source).detach().clone()))
     dc = DistributedConfig(**sizes)
-    return type(model).maybe_distribute_model(model, dc, MeshManager(meshes))
+    model = type(model).maybe_distribute_model(model, dc, MeshManager(meshes))
+    if tied:
+        model.tie_weights(recompute_mapping=False)
+    return model
 
 
 def tp(model, meshes):

@@ -41,7 +41,7 @@ SIZES = dict(
     moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_local_experts=4,
     n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
     topk_group=1, kv_lora_rank=8, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
-    sliding_window=16, output_router_logits=False, tie_word_embeddings=False, use_cache=False,
+    sliding_window=16, output_router_logits=False, use_cache=False,
 )
 # a tiny model has about 10^4 to 10^5; more says the shrink missed a size field
 MOST_PARAMETERS = 2_000_000
