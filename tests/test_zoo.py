@@ -51,6 +51,20 @@ def test_the_zoo_checks_each_plan_and_skips_what_it_cannot_build(project):
     assert cells["hfllama4-tp-tp2-fp32-plain-steps3-seed0"]["why"].startswith("not built tiny: "), cells
     table = (project.path / "out" / "zoo.md").read_text()
     assert "10 pass, 0 red, 0 crash, 2 skip, 4 known, 0 fixed" in table, table
+    # what a maintainer acts on: the command per cell that did not pass, what the report was made with,
+    # the page by model type with a legend, and a plan not shipped told from a cell not run
+    assert cells["hfapertus-tp-tp4-fp32-plain-steps3-seed0"]["reproduce"] == \
+        "python -m harness.zoo transformers --only apertus --plans tp", cells
+    assert "reproduce" not in cells["hfllama-tp-tp2-fp32-plain-steps3-seed0"]
+    made = json.loads((project.path / "out" / "zoo.json").read_text())
+    assert made["transformers"] == "5.23.0" and made["python"].startswith("3.") and made["minutes"] > 0, made
+    assert made["harness"].startswith("paritytest ") and made["date"].endswith(" UTC"), made
+    page = (project.path / "out" / "zoo.html").read_text()
+    assert "<tr><th>inkling2_text</th>" in page and "<tr><th>llama</th>" in page, page[:2000]
+    assert "a declared upstream bug, failing as declared" in page  # the legend
+    llama = page.split("<tr><th>llama</th>")[1].split("</tr>")[0]
+    # no EP plan: its ep square is not shipped; no known bug, so no tpfixed cell: blank
+    assert llama.count("not shipped") == 1 and llama.count("<td></td>") == 1, llama
 
 
 def test_a_known_bug_whose_cell_fails_another_way_and_a_lost_tie_are_red_saying_so(project, tmp_path):

@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from html import escape
 
 from pathlib import Path
@@ -79,34 +80,116 @@ def counts(found: list[dict]) -> str:
     return ", ".join(f"{sum(r['verdict'] == v for r in found)} {v}" for v in VERDICTS)
 
 
+# what each verdict means, for the page's legend
+MEANINGS = {"pass": "matches one process", "red": "diverges: where it starts", "crash": "a rank raised or hung",
+            "skip": "not run here: why", "known": "a declared upstream bug, failing as declared",
+            "fixed": "declared, but matches now: its entry can go"}
+
+
+def provenance(library: str, seconds: float) -> dict:
+    """What a report was made with: the library's, torch's, Python's and the harness's versions (its
+    git commit where it runs from a checkout), the date and the run's time."""
+    import datetime
+    import platform
+
+    import torch
+
+    from harness import versions
+
+    harness = str(versions.harness())
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / ".git").exists():
+        commit = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+        harness += f" (commit {commit})" if commit else ""
+    return {"library": library, library: _zoo(library).version(), "torch": torch.__version__,
+            "python": platform.python_version(), "harness": harness,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "minutes": round(seconds / 60, 1)}
+
+
+def title(made: dict) -> str:
+    """The report's versions line."""
+    library = made.get("library", "transformers")
+    line = f"{library} {made.get(library)}, torch {made.get('torch')}"
+    extra = [f"Python {made['python']}" if "python" in made else "", made.get("harness", ""), made.get("date", ""),
+             f"{made['minutes']} min" if "minutes" in made else ""]
+    return ", ".join([line, *(e for e in extra if e)])
+
+
+def reproduce(library: str, cell: str, model: str) -> str:
+    """The command that runs a cell again: its model and plan through the zoo (and its mesh, for
+    torchtitan's); for a transformers ``tpauto`` cell, also the torch-and-transformers-only script."""
+    from harness.config import Config
+
+    cfg = Config.parse(cell)
+    plan = "tp" if cfg.impl == "tpfixed" else cfg.impl
+    command = f"python -m harness.zoo {library} --only {model} --plans {plan}"
+    if library == "torchtitan":
+        command += f" --meshes '{','.join(f'{d}={n}' for d, n in cfg.mesh)}'"
+    if library == "transformers" and cfg.impl == "tpauto":
+        command += f"; torchrun --nproc-per-node {cfg.degree('tp')} docs/zoo_repro.py {model}"
+    return command
+
+
+def annotate(found: list[dict], library: str) -> list[dict]:
+    """Each row with its model's own name (``model``) and, where it did not pass, the command that
+    reproduces it (``reproduce``)."""
+    zoo = _zoo(library)
+    models = zoo.CONFIGS if library == "torchtitan" else zoo.architectures("tp")
+    named = {zoo.name_of(m): m for m in models}
+    for r in found:
+        model = named.get(r["cell"].split("-")[0], r["cell"].split("-")[0])
+        r["model"] = model
+        if r["verdict"] in ("red", "crash", "known", "fixed"):
+            r["reproduce"] = reproduce(library, r["cell"], model)
+    return found
+
+
 def markdown(found: list[dict], versions: str, library: str = "transformers") -> str:
     lines = [f"# {library} zoo ({versions})", "", counts(found), "",
-             "| cell | verdict | why |", "|---|---|---|"]
-    lines += [f"| `{r['cell']}` | {r['verdict']} | {r['why'].replace('|', '/')} |" for r in found]
+             "| cell | verdict | why | reproduce |", "|---|---|---|---|"]
+    lines += [f"| `{r['cell']}` | {r['verdict']} | {r['why'].replace('|', '/')} | "
+              + (f"`{r['reproduce']}`" if r.get("reproduce") else "") + " |" for r in found]
     return "\n".join(lines) + "\n"
 
 
 def html(found: list[dict], versions: str, library: str = "transformers") -> str:
-    """Architecture x (plan, mesh), each square coloured by its verdict, its line on hover."""
+    """Model x (plan, mesh), each square coloured by its verdict; a legend; below, every cell that did
+    not pass with its line and the command that reproduces it. A plan an architecture does not ship
+    (no EP plan) reads ``not shipped``; a square of no cell at all, blank (not run)."""
     grid: dict[str, dict[str, dict]] = {}
     for r in found:
-        model, impl, mesh = r["cell"].split("-")[:3]
-        grid.setdefault(model, {})[f"{impl} {mesh}"] = r
+        _, impl, mesh = r["cell"].split("-")[:3]
+        grid.setdefault(r.get("model") or r["cell"].split("-")[0], {})[f"{impl} {mesh}"] = r
     columns = sorted({c for by in grid.values() for c in by})
-    head = "".join(f"<th>{c}</th>" for c in columns)
+    shipped_only = set(getattr(_zoo(library), "EXPERT_PLANS", ()))
+    head = "".join(f"<th>{escape(c)}</th>" for c in columns)
     body = []
     for model in sorted(grid):
         squares = []
         for c in columns:
             r = grid[model].get(c)
-            squares.append("<td></td>" if r is None else
-                           f'<td style="background:{COLOURS[r["verdict"]]}" title="{escape(r["why"])}">'
-                           f'{r["verdict"]}</td>')
-        body.append(f"<tr><th>{model}</th>{''.join(squares)}</tr>")
+            if r is None:
+                squares.append('<td class="none">not shipped</td>' if c.split()[0] in shipped_only else "<td></td>")
+            else:
+                squares.append(f'<td style="background:{COLOURS[r["verdict"]]}" title="{escape(r["why"])}">'
+                               f'{r["verdict"]}</td>')
+        body.append(f"<tr><th>{escape(model)}</th>{''.join(squares)}</tr>")
+    legend = "".join(f'<span style="background:{COLOURS[v]}" class="key">{v}</span> {escape(MEANINGS[v])} '
+                     for v in VERDICTS)
+    notes = "".join(f"<tr><td><code>{escape(r['cell'])}</code></td><td>{r['verdict']}</td><td>{escape(r['why'])}</td>"
+                    f"<td><code>{escape(r.get('reproduce', ''))}</code></td></tr>"
+                    for r in found if r["verdict"] not in ("pass", "skip"))
+    skips = "".join(f"<tr><td><code>{escape(r['cell'])}</code></td><td>{escape(r['why'])}</td></tr>"
+                    for r in found if r["verdict"] == "skip")
     return (f"<!doctype html><meta charset='utf-8'><title>{library} zoo</title><style>body{{font-family:sans-serif}}"
-            f"td{{color:white;text-align:center;font-size:12px;padding:2px 6px}}th{{font-size:12px;text-align:left}}"
-            f"</style><h1>{library} zoo ({escape(versions)})</h1><p>{counts(found)}</p>"
-            f"<table><tr><th></th>{head}</tr>{''.join(body)}</table>")
+            f"td{{font-size:12px;padding:2px 6px}}td[style]{{color:white;text-align:center}}th{{font-size:12px;"
+            f"text-align:left}}td.none{{color:#9e9e9e;text-align:center}}.key{{color:white;padding:1px 6px}}</style>"
+            f"<h1>{library} zoo</h1><p>{escape(versions)}</p><p>{counts(found)}</p><p>{legend}</p>"
+            f"<table><tr><th></th>{head}</tr>{''.join(body)}</table>"
+            f"<h2>Not passing</h2><table><tr><th>cell</th><th>verdict</th><th>why</th><th>reproduce</th></tr>{notes}"
+            f"</table><h2>Skipped</h2><table><tr><th>cell</th><th>why</th></tr>{skips}</table>")
 
 
 def changes(old: dict, new: dict) -> list[str]:
@@ -158,18 +241,16 @@ def run(args) -> int:
         (Path(project) / "pytest.ini").write_text("[pytest]\n")
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", args.n,
                    f"--junitxml={junit}", "--case-deadline", "300", "test_zoo.py"]
+        started = time.monotonic()
         done = subprocess.run(command, cwd=project, env=os.environ.copy())
-    found = rows(junit) if junit.exists() else []
+    found = annotate(rows(junit), library) if junit.exists() else []
     if done.returncode not in (0, 1) or not found:
         print(f"the zoo's pytest run ended with {done.returncode} and judged no cell (its output is above)",
               file=sys.stderr)
         return 2
-    import torch
-
-    version = zoo.version()
-    versions = f"{library} {version}, torch {torch.__version__}"
-    (args.out / "zoo.json").write_text(json.dumps({"library": library, library: version, "torch": torch.__version__,
-                                                   "cells": found}, indent=1))
+    made = provenance(library, time.monotonic() - started)
+    versions = title(made)
+    (args.out / "zoo.json").write_text(json.dumps(made | {"cells": found}, indent=1))
     (args.out / "zoo.md").write_text(markdown(found, versions, library))
     (args.out / "zoo.html").write_text(html(found, versions, library))
     print(f"zoo ({versions}): {counts(found)}: {args.out / 'zoo.md'}, zoo.html, zoo.json")
