@@ -14,8 +14,8 @@ run deleted, and every parameter keeps its name.
    ``Schedule1F1B`` or ``ScheduleInterleaved1F1B`` over ``MICROBATCHES`` microbatches;
 2. tp > 1: ``parallelize_module`` with sequence parallel on every norm, colwise wq/wk/wv/w1/w3,
    rowwise wo/w2 returning to the sequence shard, a rowwise embedding, and a colwise output head
-   whose logits stay sharded for ``loss_parallel`` (replicated under pp: the schedule computes
-   the loss);
+   whose logits stay sharded for ``loss_parallel`` (under pp too: the harness runs the schedule,
+   which computes the loss, under it);
 3. dp > 1 (FSDP) or rep > 1 (HSDP): ``fully_shard`` each block, the embedding,
    norm+output, then the root, on ``dense["dp"]`` or ``dense["rep", "dp"]``.
 
@@ -215,7 +215,7 @@ def pipeline(model: Transformer, meshes, interleaved: bool, **stage_args) -> Pip
     device = next(model.parameters()).device
     stages = []
     for index in range(rank, total, pp):
-        module = parallelize_stage(modules[index], meshes, loss_parallel=False, **stage_args)
+        module = parallelize_stage(modules[index], meshes, loss_parallel=True, **stage_args)
         stages.append(PipelineStage(module, index, total, device, group=meshes.group("pp")))
     schedule_type = ScheduleInterleaved1F1B if interleaved else Schedule1F1B
     schedule = schedule_type(stages if interleaved else stages[0], n_microbatches=MICROBATCHES, loss_fn=cross_entropy)

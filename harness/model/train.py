@@ -303,7 +303,10 @@ class OnRank(Trainer):
         last = any(stage.is_last for stage in p.stages)
         losses: list[torch.Tensor] = []
         args = (batch[p.input],) if first else ()
-        with autocast(self.case, self.cfg, self.ctx.device):
+        # the schedule runs the loss, and its backward, inside step: with tp, the last stage's
+        # logits may stay vocab-sharded (a DTensor), whose loss needs loss_parallel as a module's does
+        sharded = self.cfg.degree("tp") > 1
+        with autocast(self.case, self.cfg, self.ctx.device), _loss_parallel() if sharded else contextlib.nullcontext():
             p.schedule.step(*args, target=batch[p.target] if last else None, losses=losses if last else None)
         if last:
             each = torch.stack([scalar(x, self.shares) for x in losses])
