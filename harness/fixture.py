@@ -108,12 +108,12 @@ class CellCheck:
         declared one; else the failure it is, saying what was declared instead (``record``'s
         ``declared``: ``holds`` or ``differs``)."""
         line = record.get("where") or headline(failure)
-        if known.holds(line):
+        if known.holds(line, failure):
             record["declared"] = "holds"
             raise KnownFailure(failure, pytrace=False)
         record["declared"] = "differs"
-        return (f"{failure}\nnot the declared divergence: it was declared to fail with a first line matching "
-                f"{known.shows!r}, and this one's is {line!r}. The declared reason: {known}")
+        return (f"{failure}\nnot the declared divergence: it was declared to fail showing {known.shows!r}, which "
+                f"this failure does not; its first line is {line!r}. The declared reason: {known}")
 
     def judge(self, cell, pool, record: dict, start: float):
         """Run the resolved ``cell`` (:class:`harness.resolve.Cell`) through ``pool`` (the warm pool, or rank 0's runner) and judge it: the failure

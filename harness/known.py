@@ -6,10 +6,11 @@ line its failure must show to be that bug and no other.
             return Known("q_norm is left plain by the plan: its gradient stays a per-rank partial sum",
                          shows=r"^first diverging module: .*q_norm \\(parameter gradients")
 
-A cell so declared runs in full as an xfail. It counts as known only when it fails and its first
-line (its diagnosis's, where it starts; or :func:`headline`) matches ``shows``; a cell that fails
-another way fails, naming both, because a second bug behind a declared one is still a bug. A plain
-``str`` reason declares any failure.
+A cell so declared runs in full as an xfail. It counts as known only when it fails and ``shows``
+is found in its failure: in its first line (its diagnosis's, where it starts, whole; or a crash's own
+line, :func:`headline`) or in the failure's text (a component's table names each tensor that
+differs: ``r"^ +out mismatch"``); a cell that fails another way fails, naming both, because a second
+bug behind a declared one is still a bug. A plain ``str`` reason declares any failure.
 """
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ _RANK_LINE = re.compile(
 
 
 class Known(str):
-    """A declared divergence's reason (a ``str``), with ``shows``: a regular expression searched in
-    the failure's :func:`headline` (the module and kind where a divergence starts, or a crash's own
-    line); empty, any failure is this one. ``strict`` False: whether the cell shows it depends on the
+    """A declared divergence's reason (a ``str``), with ``shows``: a regular expression (multi-line:
+    ``^`` starts any line) searched in the failure's first line and text (module docstring); empty,
+    any failure is this one. ``strict`` False: whether the cell shows it depends on the
     machine (kernels that round differently by CPU), so a pass says nothing of upstream."""
 
     shows: str = ""
@@ -39,10 +40,10 @@ class Known(str):
         text.shows, text.strict = shows, strict
         return text
 
-    def holds(self, line: str) -> bool:
-        """Whether a failure whose first line (where it starts, or :func:`headline`) is ``line`` is
-        this divergence."""
-        return not self.shows or re.search(self.shows, line) is not None
+    def holds(self, first: str, failure: str = "") -> bool:
+        """Whether a failure whose first line (where it starts, or :func:`headline`) is ``first``,
+        and whose text is ``failure``, is this divergence."""
+        return not self.shows or any(re.search(self.shows, text, re.M) for text in (first, failure))
 
 
 def headline(failure: str) -> str:

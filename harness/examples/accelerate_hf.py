@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from harness.known import Known
 from harness.model import ModelCase, cell_dir, model_cells
 
 from harness.examples.llama_hf import batch, forward, loss
@@ -61,7 +62,7 @@ TP_MESH = ("transformers 5.23.0's from_pretrained(tp_size=N, tp_plan='auto', dev
 def known(cfg) -> str | None:
     """The cells accelerate 1.15.0 with transformers 5.23.0 cannot run (strict xfail), with why."""
     if not torch.cuda.is_available():
-        return CPU
+        return Known(CPU, shows=r"^ValueError: ParallelismConfig is only compatible")
     if cfg.degree("tp") > 1 and cfg.degree("tp") < cfg.world:
         return TP_MESH
     return None

@@ -109,5 +109,6 @@ def megatron_xfail(cfg: Config) -> str | None:
         return declared("megatron-core", "vocab_parallel_cross_entropy overwrites its fp32 logits in place with "
                 "exp(logits - max) (calculate_predicted_logits: 'In-place subtraction reduces memory pressure'; a bf16 input is "
                 "first copied by .float(), so only fp32 logits are clobbered): the layer's output 'out' reads back "
-                "as unnormalised probabilities after the loss")
+                "as unnormalised probabilities after the loss",
+                        shows=r"^ +out +mismatch ")
     return None
