@@ -54,6 +54,22 @@ OVERRIDES: dict[str, dict] = {
     "deepseek_v4": {"head_dim": 8, "o_lora_rank": 16, "index_head_dim": 8, "index_topk": 4},
     "muse_spark_text": {"moe_hidden_size": 16},
     "granitemoehybrid": {"mamba_n_heads": 8, "mamba_d_head": 8},
+    # layer_types None by default (the model indexes it): a conv layer, then an attention one; the
+    # first dense, the second MoE
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    # gemma4_text's per-layer inputs; no layer sharing another's key/value cache (its 15 of 35 would
+    # share with a layer the tiny model does not have); the first layer keeps its activation sparsity
+    "gemma3n_text": {"vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 8, "num_kv_shared_layers": 0,
+                     "laurel_rank": 8, "activation_sparsity_pattern": [0.95, 0.0]},
+    # its size fields under names of its own; multi-head latent attention whose rope part is head_dim
+    "longcat_flash": {"num_layers": 2, "ffn_hidden_size": 32, "moe_topk": 2, "n_routed_experts": 4,
+                      "zero_expert_num": 2, "expert_ffn_hidden_size": 16, "qk_head_dim": 8, "head_dim": 4},
+    # multimodal rope sections the model holds for full-size heads ([16, 24, 24]), not in its config
+    "paddleocr_vl_text": {"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default",
+                                              "mrope_section": [2, 1, 1]}},
+    # rope parameters per layer type, empty by default (the model reads them by type)
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 50000.0,
+                                                                   "mrope_section": [2, 1, 1]}}},
 }
 
 
@@ -117,6 +133,12 @@ KNOWN: tuple[KnownBug, ...] = (
              "is right, but labels them with the plan's 'colwise' placement: gathered (full_tensor, a "
              "save_pretrained) the parameter and its gradient come out with gate and up rows interleaved wrongly",
              r"^first diverging module: model\.layers\.\d+\.mlp\.experts \(parameter gradients, step 1\)"),
+    KnownBug("gemma3n_text", ("tp", "tpauto"), ("5.23.0",),
+             "the MLP's activation sparsity (_gaussian_topk, on in the first 10 of 35 layers as shipped) cuts the "
+             "gate at mean + std * icdf(0.95) over the intermediate dim, which the plan shards (gate_proj "
+             "colwise): each rank takes the mean and std of its own shard, so the cutoff, and every activation "
+             "after it, differ from one process's; no tp_plan entry fixes it (the statistics need an all-reduce)",
+             r"^first diverging module: model\.layers\.0\.mlp\.act_fn \(output, step 1"),
     # crashes at tp=2
     KnownBug("doge", ("tp", "tpauto"), ("5.23.0",),
              "crash: dt_proj is rowwise, so the dynamic attention mask it makes holds every head while q/k/v are "
