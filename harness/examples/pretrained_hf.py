@@ -11,6 +11,7 @@ ignores it when a ``tp_plan`` is given (the plan's mesh is always ``tp_size`` ra
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from harness.model import ModelCase, cell_dir, model_cells
@@ -34,14 +35,74 @@ def build():
     return LlamaForCausalLM(config())
 
 
+class LoadMismatch(AssertionError):
+    """``from_pretrained`` loaded parameters other than those ``save_pretrained`` was given."""
+
+
 def parallelize(model, meshes, tp_plan="auto"):
+    """Save ``model``, load it with the TP plan, and check the load before any step: every loaded
+    parameter, gathered (``full_tensor()``), must be the one saved (:class:`LoadMismatch` names
+    each that is not, and where its rows came from)."""
     from harness.examples.hf import DistributedConfig
 
     path = cell_dir()
     if dist.get_rank() == 0:
         model.save_pretrained(path)
     dist.barrier()
-    return type(model).from_pretrained(path, distributed_config=DistributedConfig(tp_plan=tp_plan))
+    loaded = type(model).from_pretrained(path, distributed_config=DistributedConfig(tp_plan=tp_plan))
+    if wrong := loaded_wrong(dict(model.named_parameters()), dict(loaded.named_parameters())):
+        raise LoadMismatch(f"from_pretrained loaded {len(wrong)} parameter(s) other than save_pretrained was given "
+                           f"(each gathered with full_tensor()): {'; '.join(wrong)}")
+    return loaded
+
+
+def loaded_wrong(saved: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> list[str]:
+    """One line per parameter of ``saved`` that ``loaded`` holds otherwise (missing, another
+    shape, other values: where each of its rows came from), in ``saved``'s order."""
+    from torch.distributed.tensor import DTensor
+
+    # every saved row (the last dim's vectors) by its bytes: a wrong row is often another tensor's
+    origin: dict[bytes, tuple[str, int]] = {}
+    for name, tensor in reversed(list(saved.items())):
+        for i, row in reversed(list(enumerate(_rows(tensor)))):
+            origin[row] = (name, i)
+    out = []
+    for name, want in saved.items():
+        got = loaded.get(name)
+        if got is None:
+            out.append(f"{name}: not loaded")
+            continue
+        got = (got.full_tensor() if isinstance(got, DTensor) else got).detach().to(want.dtype)
+        if got.shape != want.shape:
+            out.append(f"{name}: shape {tuple(got.shape)}, saved {tuple(want.shape)}")
+        elif not torch.equal(got, want.detach()):
+            out.append(f"{name}: {rows_moved(name, got, origin)}")
+    return out
+
+
+def _rows(tensor: torch.Tensor) -> list[bytes]:
+    flat = tensor.detach().reshape(-1, tensor.shape[-1]) if tensor.dim() else tensor.detach().reshape(1, 1)
+    return [row.numpy().tobytes() for row in flat]
+
+
+def rows_moved(name: str, loaded: torch.Tensor, origin: dict[bytes, tuple[str, int]]) -> str:
+    """Where the rows of ``loaded`` (parameter ``name``; rows: its last dim's vectors, numbered
+    through the leading dims) came from: ``rows 0-3 hold saved rows 8-11``, ``rows 4-7 hold
+    k_proj.weight's rows 0-3``, ``rows 8-9 match no saved row``; runs of consecutive rows
+    together, rows in their own place left out."""
+    runs: list[list] = []  # [first row, last row, source name, first source row]
+    for i, row in enumerate(_rows(loaded)):
+        src, j = origin.get(row, (None, None))
+        last = runs[-1] if runs else None
+        if last and src == last[2] and (src is None or j == last[3] + i - last[0]):
+            last[1] = i
+        else:
+            runs.append([i, i, src, j])
+    moved = [f"rows {a}-{b} " + ("match no saved row" if src is None else
+                                 f"hold saved rows {j}-{j + b - a}" if src == name else
+                                 f"hold {src}'s rows {j}-{j + b - a}")
+             for a, b, src, j in runs if not (src == name and j == a)]
+    return ", ".join(moved) if moved else "its rows are the saved rows, in order, its values are not"
 
 
 def tp_only(spec):

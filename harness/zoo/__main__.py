@@ -40,6 +40,8 @@ def test_zoo(cfg, parity):
 
 
 VERDICTS = ("pass", "red", "crash", "skip", "known", "fixed")
+# how a from_pretrained cell's load check fails (harness.examples.pretrained_hf.LoadMismatch): a red
+LOAD_CHECK = "LoadMismatch: "
 COLOURS = {"pass": "#2e7d32", "red": "#c62828", "crash": "#e65100", "skip": "#9e9e9e", "known": "#1565c0",
            "fixed": "#6a1b9a"}
 
@@ -60,14 +62,16 @@ def rows(junit: Path) -> list[dict]:
         reference = "(its reference)" in text.split("\n", 1)[0]
         # a declared bug's cell that failed another way (harness.fixture) is judged as any other cell
         declared = record.get("expected") if record.get("declared") != "differs" else None
+        cause = headline(text)
+        loaded = LOAD_CHECK in cause  # the load check's own failure: wrong numbers, before any step
         if declared:
             verdict = "known" if case.outcome == "skipped" else "fixed"
         else:
             verdict = {"passed": "pass", "skipped": "skip"}.get(status) or \
-                ("red" if record.get("kind") in ("mismatch", "nan") else "skip" if reference else "crash")
-        cause = headline(text)
+                ("red" if record.get("kind") in ("mismatch", "nan") or loaded else "skip" if reference else "crash")
         why = {"skip": f"its one-process fp64 reference does not run: {cause}" if reference else case.skip_reason,
-               "red": record.get("where") or "", "known": declared or "",
+               "red": (cause[cause.index(LOAD_CHECK):] if loaded else record.get("where")) or "",
+               "known": declared or "",
                "fixed": f"declared known ({declared}) but matches now",
                "crash": cause}.get(verdict, "")
         if record.get("declared") == "differs":
