@@ -61,23 +61,25 @@ def loaded_wrong(saved: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]
     shape, other values: where each of its rows came from), in ``saved``'s order."""
     from torch.distributed.tensor import DTensor
 
-    # every saved row (the last dim's vectors) by its bytes: a wrong row is often another tensor's
-    origin: dict[bytes, tuple[str, int]] = {}
-    for name, tensor in reversed(list(saved.items())):
-        for i, row in reversed(list(enumerate(_rows(tensor)))):
-            origin[row] = (name, i)
-    out = []
+    wrong: dict[str, str | torch.Tensor] = {}  # name -> what is wrong, or the loaded tensor with other values
     for name, want in saved.items():
         got = loaded.get(name)
         if got is None:
-            out.append(f"{name}: not loaded")
+            wrong[name] = "not loaded"
             continue
         got = (got.full_tensor() if isinstance(got, DTensor) else got).detach().to(want.dtype)
         if got.shape != want.shape:
-            out.append(f"{name}: shape {tuple(got.shape)}, saved {tuple(want.shape)}")
+            wrong[name] = f"shape {tuple(got.shape)}, saved {tuple(want.shape)}"
         elif not torch.equal(got, want.detach()):
-            out.append(f"{name}: {rows_moved(name, got, origin)}")
-    return out
+            wrong[name] = got
+    # only then, every saved row (the last dim's vectors) by its bytes: a wrong row is often another tensor's
+    origin: dict[bytes, tuple[str, int]] = {}
+    if any(isinstance(what, torch.Tensor) for what in wrong.values()):
+        for name, tensor in reversed(list(saved.items())):
+            for i, row in reversed(list(enumerate(_rows(tensor)))):
+                origin[row] = (name, i)
+    return [f"{name}: {what if isinstance(what, str) else rows_moved(name, what, origin)}"
+            for name, what in wrong.items()]
 
 
 def _rows(tensor: torch.Tensor) -> list[bytes]:

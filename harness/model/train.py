@@ -150,28 +150,28 @@ class Fp32Ops:
         def cast(dtype_from, dtype_to):
             return lambda x: x.to(dtype_to) if isinstance(x, torch.Tensor) and x.dtype == dtype_from else x
 
-        def mixed(args, kwargs) -> bool:
+        def mixes(args, kwargs) -> bool:
             dtypes = {x.dtype for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)}
             return {torch.float32, torch.float64} <= dtypes
 
-        def in_fp32(func, args, kwargs):
+        def in_fp32(func, args, kwargs, back: bool):
             down = cast(torch.float64, torch.float32)
             out = func(*tree_map(down, args), **tree_map(down, kwargs))
-            return tree_map(cast(torch.float32, torch.float64), out) if func.overloadpacket.__name__ in names else out
+            return tree_map(cast(torch.float32, torch.float64), out) if back else out
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
                 if func.overloadpacket.__name__ in names:
-                    return in_fp32(func, args, kwargs)
+                    return in_fp32(func, args, kwargs, back=True)
                 if not mixed_too:
                     return func(*args, **kwargs)
                 try:
                     return func(*args, **kwargs)
                 except RuntimeError:
-                    if not mixed(args, kwargs):
+                    if not mixes(args, kwargs):
                         raise
-                return in_fp32(func, args, kwargs)  # an fp32 result, as the model's fp32 code expects
+                return in_fp32(func, args, kwargs, back=False)  # fp32, as the model's own fp32 code expects
 
         self.mode = Mode() if names or mixed_too else None
         if self.mode is not None:

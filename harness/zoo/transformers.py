@@ -76,8 +76,9 @@ OVERRIDES: dict[str, dict] = {
 @dataclass(frozen=True)
 class KnownBug:
     """A divergence or crash of one architecture's shipped plans, found by the zoo and traced in
-    transformers' source: its cells run as strict xfails held to ``shows`` (a regular expression of
-    the failure's first line: where the divergence starts, or the crash's own line), on the releases
+    transformers' source: its cells run as strict xfails held to ``shows`` (a regular expression
+    found in the failure: its first line, where the divergence starts, or the crash's own line;
+    :class:`harness.known.Known`), on the releases
     it was ``seen`` on and every later one. A release that fixes it turns its cells into an XPASS the
     zoo reports as ``fixed``; one that fails them otherwise, a red or crash saying so.
 
