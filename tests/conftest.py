@@ -5,12 +5,15 @@ import pytest
 from hypothesis import settings
 
 from harness.pool import kept
-from harness.pool.parent import Pool
+from harness.pool.parent import Pool, single_threaded
 
 # no example database written; no per-example deadline on a loaded 2-core machine. (Hypothesis still
 # caches code constants in .hypothesis/, gitignored like __pycache__.)
 settings.register_profile("harness", database=None, deadline=None)
 settings.load_profile("harness")
+
+# the suite's two workers share CI's two cores with the pools they start, as a pool's parent does
+single_threaded()
 
 pytest_plugins = ["pytester"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -167,6 +167,17 @@ def test_the_pools_of_a_process_import_what_its_cells_need_once_and_nothing_else
         pool.close()
 
 
+def test_the_process_that_drives_a_pool_runs_one_intra_op_thread():
+    """Its OpenMP threads would spin between its comparisons on the cores its ranks need."""
+    code = ("import torch; torch.set_num_threads(2)\n"
+            "from harness.pool.parent import Pool\n"
+            "pool = Pool(size=2)\n"
+            "pool.run('harness.pool.tasks:noop', None, (('tp', 2),))\n"
+            "print('threads', torch.get_num_threads()); pool.close()")
+    out, err = run_python(code, stdout=subprocess.PIPE, stderr=subprocess.PIPE).communicate(timeout=300)
+    assert "threads 1" in out, out + err
+
+
 def test_mesh_larger_than_pool_is_refused_before_running(small_pool):
     from harness.pool.parent import PoolError
 

@@ -211,6 +211,16 @@ def summarize_stack(text: str, root: str = "") -> tuple[str, str]:
     return " ".join(parts) or "no Python frame", "stack, innermost first:\n" + body
 
 
+def single_threaded() -> None:
+    """One intra-op thread in the process that drives a pool. It only compares small tensors, and
+    between two ops torch's OpenMP threads spin on the cores its ranks are waiting for: beside a busy
+    neighbour, a model cell took twice the wall and 2.4x the CPU (docs/performance.md)."""
+    import torch
+
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 class Pool:
     """A warm pool of ``size`` rank processes. Thread-unsafe: one task at a time."""
 
@@ -273,6 +283,7 @@ class Pool:
             self._beside().launch()
 
     def _launch(self) -> None:
+        single_threaded()
         self.kill()
         pooldir.sweep()  # what pools killed together with their zygotes and ranks left behind
         self._tmp, self._hold = pooldir.create()
