@@ -3,13 +3,15 @@ with pytest in a subprocess): a bug whose forward matches everywhere is named in
 its module, not at a module whose output expert parallelism makes per rank by design; a bug in one
 stage of a 1F1B pipeline is named at its module, its microbatches joined as the whole batch; and one
 block's ``wo`` whose rowwise output is left ``Partial()`` is named at ``wo`` as partial sums over tp,
-while the same plan without the bug passes; a hook of the user's after ``wo``'s rowwise style, scaling
-what it returns on every rank alike, is named at ``wo`` itself: a module with hooks of its own is judged
-by its numbers.
+while the same plan without the bug passes; a row-parallel layer whose caller reduces its partial
+sums is not named for them, and a bug in its own gradient is, in the backward pass; a hook of the
+user's after ``wo``'s rowwise style, scaling what it returns on every rank alike, is named at ``wo``
+itself: a module with hooks of its own is judged by its numbers.
 
 The bugs are users' parallelize functions registered by path from the project's conftest:
 ``ep_without_expert_sum`` (tests/model_bugs_moe.py), ``stage_reinitialised``, ``wo_partial_in_one_block`` and
-``wo_scaled_in_one_block`` (tests/model_bugs.py)."""
+``wo_scaled_in_one_block`` (tests/model_bugs.py), ``caller_reduces_fc2_gradient_twice``
+(tests/model_handtp.py)."""
 import textwrap
 
 import pytest
@@ -21,6 +23,7 @@ CONFTEST = textwrap.dedent('''\
 
     register_model("moebug", "tests.model_bugs_moe:NOEXPSUM")
     register_model("pipebug", "tests.model_bugs:BUGS")
+    register_model("callerreduces", "tests.model_handtp:CALLER_REDUCES")
     ''')
 TEST = textwrap.dedent('''\
     import pytest
@@ -29,7 +32,8 @@ TEST = textwrap.dedent('''\
 
     CELLS = (model_cells("moebug", meshes=["dp=4"], switches={"ep": ["2"]})  # efsdp = 2 copies
              + model_cells("pipebug", impls=["stagereinit"], meshes=["pp=2"])
-             + model_cells("pipebug", impls=["wopartial", "wohook", "tpnosp"], meshes=["tp=2"]))
+             + model_cells("pipebug", impls=["wopartial", "wohook", "tpnosp"], meshes=["tp=2"])
+             + model_cells("callerreduces", meshes=["tp=2"]))
 
 
     @pytest.mark.parametrize("cfg", CELLS, ids=str)
@@ -42,9 +46,17 @@ def test_each_bug_is_named_where_it_starts(user_project):
     pytest.importorskip("transformers", reason="pip install -e '.[thirdparty]' (transformers' Qwen3-MoE)")
     user_project.write({"conftest.py": CONFTEST, "test_bugs.py": TEST})
     done = user_project.pytest("--case-deadline", "120")
-    assert done.returncode == 1 and "4 failed, 1 passed" in done.stdout, done.tail
-    moe, pipe, partial, hooked = (done.stdout.split(f"test_bug[{cell}")[1] for cell in
-                                  ("moebug-noexpsum", "pipebug-stagereinit", "pipebug-wopartial", "pipebug-wohook"))
+    assert done.returncode == 1 and "5 failed, 2 passed" in done.stdout, done.tail
+    assert "test_bug[callerreduces-callerreduces-" not in done.summary  # its caller reduces it: right, green
+    moe, pipe, partial, hooked, reduced = (done.stdout.split(f"test_bug[{cell}")[1] for cell in
+                                           ("moebug-noexpsum", "pipebug-stagereinit", "pipebug-wopartial",
+                                            "pipebug-wohook", "callerreduces-fc2gradtwice"))
+    # a row-parallel fc2 whose partial sums the MLP calling it reduces (Megatron's split, the reduction
+    # in its caller): not where it starts, since what uses them matches; its doubled gradient is
+    assert ("first diverging module: mlp.fc2 (parameter gradients, step 1), in the backward pass: every judged "
+            "forward output matches (mlp.fc2 returns per-rank partial sums over tp, which mlp reduces; not judged), "
+            "the gradient it received still matches, its parameters' gradients (weight) do not") in flat(reduced), \
+        reduced[:4000]
     moe_text, pipe_text, partial_text = flat(moe), flat(pipe), flat(partial)
     # a block's wo left as partial sums over tp: named at wo, not at the attention that uses it
     assert ("first diverging module: layers.1.attention.wo (output, step 1, microbatch 0): its inputs still match "

@@ -122,7 +122,8 @@ def where_it_starts(found, report, mesh=()) -> Start:
     judged = [f for f in step1 if f.inputs or f.outputs]
     forwards = [f for f in judged if f.key.startswith("fwd") and f.diverges]
     designed = [f for f in forwards if f.by_design]
-    diverging = [f for f in forwards if not f.by_design]
+    reduced = [f for f in forwards if not f.by_design and _reduced_by_caller(f, judged)]
+    diverging = [f for f in forwards if not f.by_design and f not in reduced]
     forward = diverging[0] if diverging else None
     if forward is not None:
         module = _where(forward.key)["module"]
@@ -142,7 +143,7 @@ def where_it_starts(found, report, mesh=()) -> Start:
         bad = _wrong(backward[0].inputs, backward[0])[0]
         factor = factor_text(bad.norm_ratio, bad.fit_residual, mesh)
         return Start(None, "", "first diverging module: none, it starts in the loss (step 1): every judged forward "
-                               f"output matches{_designed(designed)}, the gradient the loss hands back to {last} "
+                               f"output matches{_designed(designed, reduced)}, the gradient the loss hands back to {last} "
                                "does not"
                                + (f" (the reference {factor})" if factor else f" (norm ratio {bad.norm_ratio:.4g})")
                                + ": the loss function, what it is divided by, or code between the model and it")
@@ -167,7 +168,7 @@ def where_it_starts(found, report, mesh=()) -> Start:
         wrong = " and ".join((["its input gradient"] if passes_on else [])
                              + ([f"its parameters' gradients ({', '.join(own)})"] if own else []))
         head = module_of(event.key) if passes_on else f"{module} (parameter gradients, step 1)"
-        forward_text = "every judged forward output matches" + _designed(designed)
+        forward_text = "every judged forward output matches" + _designed(designed, reduced)
         return Start(module, "bwd", f"first diverging module: {head}, in the backward pass: {forward_text}, the "
                                     f"gradient it received {received}, {wrong} "
                                     f"{'do' if own or ' and ' in wrong else 'does'} not")
@@ -178,11 +179,31 @@ def where_it_starts(found, report, mesh=()) -> Start:
                            "reference, so the divergence is in the gradient reduction, the optimizer step or the loss")
 
 
-def _designed(designed: list, most: int = 2) -> str:
+def _reduced_by_caller(finding, judged: list) -> bool:
+    """Whether ``finding``'s module starts nothing although it returns per-rank partial sums: the
+    module that calls it (its parent, same step and microbatch) returns judged outputs that all
+    match, so it reduces them, as a block that all-reduces what its row-parallel child or its
+    experts return does by design. A partial output is where a divergence starts only when what
+    uses it diverges too."""
+    if not (finding.starts_here and finding.partial):
+        return False
+    where = _where(finding.key)
+    parent = where["module"].rpartition(".")[0]
+    calls = [f for f in judged if f.key.startswith("fwd") and _where(f.key).get("module") == parent
+             and _where(f.key).get("microbatch") == where.get("microbatch")]
+    judged_outputs = [r for f in calls for r in f.outputs if r.tensor not in f.per_rank]
+    return bool(judged_outputs) and all(r.ok for r in judged_outputs)
+
+
+def _designed(designed: list, reduced: tuple = (), most: int = 2) -> str:
     """`` (what X returns is per rank by design ...)`` for the forward events left unjudged
     (``Finding.by_design``): ``receives`` where what the module is handed is per rank (and so what it
-    returns), ``returns`` where only its output is; "" for none."""
-    parts = []
+    returns), ``returns`` where only its output is; and those whose per-rank partial sums their
+    caller reduces (:func:`_reduced_by_caller`); "" for none."""
+    parts = [f"{_where(f.key)['module']} returns per-rank partial sums over {_dims(f.partial)}, which "
+             f"{_where(f.key)['module'].rpartition('.')[0]} reduces" for f in reduced[:most]]
+    if len(reduced) > most:
+        parts[-1] += f" (and {len(reduced) - most} more alike)"
     for verb, given in (("receives", "holding the same part"), ("returns", "given the same input")):
         modules = list(dict.fromkeys(_where(f.key).get("module", "?") for f in designed
                                      if any(r.tensor in f.per_rank for r in f.inputs) == (verb == "receives")))
