@@ -43,7 +43,7 @@ MODEL = textwrap.dedent('''\
     def parallelize(model, meshes, shard="dp_shard_cp"):
         world_mesh = meshes.dense  # as torchtitan's parallelize_llama reads its world mesh
         cell = running()  # the running cell, by the harness's names
-        assert cell.dtype is torch.float32 and cell.steps == 3, cell
+        assert cell.dtype is torch.float32 and cell.steps == 3 and cell.device == torch.device("cpu"), cell
         assert cell.mesh.get("dp", 1) == world_mesh["dp_shard"].size() and cell.id.startswith("mlp"), cell
         if world_mesh["tp"].size() > 1:
             parallelize_module(model, world_mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})

@@ -17,7 +17,8 @@ none: on the ranks and in the one-process reference alike, so ``build`` makes th
 **The running cell**, ``running()``: its id, dtype (``torch.bfloat16`` for a ``bf16`` cell), mesh
 degrees, switches and steps, so ``parallelize`` can set up the precision it trains with (FSDP2's
 ``MixedPrecisionPolicy(param_dtype=running().dtype)``); in the reference, the cell it is the
-reference of.
+reference of. And the device this process trains it on: a rank's (``cuda:(rank mod GPUs)`` under
+NCCL, the CPU under gloo), the CPU in the one-process reference, which always runs there.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class Running(NamedTuple):
     mesh: dict[str, int]  # degrees by the harness's dim names (harness.names)
     switches: dict[str, str]  # every switch the id names (``ep``, ``etp`` and the case's own)
     steps: int
+    device: torch.device = torch.device("cpu")  # this process's: a rank's, or the reference's CPU
 
 
 def cell_dir() -> Path:
@@ -74,13 +76,13 @@ def running() -> Running:
 
 
 @contextlib.contextmanager
-def configured(case, cfg):
-    """``switches()`` are ``cfg``'s values of ``case``'s switches, and ``running()`` is ``cfg``, while
-    the block runs."""
+def configured(case, cfg, device: torch.device = torch.device("cpu")):
+    """``switches()`` are ``cfg``'s values of ``case``'s switches, and ``running()`` is ``cfg`` on
+    ``device``, while the block runs."""
     named = dict(cfg.switches)
     token = _switches.set({name: named.get(name, values[0]) for name, values in case.switches.items()
                            if name not in MESH_SWITCHES})
-    cell = _running.set(Running(cfg.id, TORCH_DTYPE[cfg.dtype], dict(cfg.mesh), named, cfg.size("steps")))
+    cell = _running.set(Running(cfg.id, TORCH_DTYPE[cfg.dtype], dict(cfg.mesh), named, cfg.size("steps"), device))
     try:
         yield
     finally:

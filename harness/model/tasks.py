@@ -40,10 +40,12 @@ from .train import OneProcess, OnRank, Trainer, state_of
 
 
 def in_cell(entry: Callable) -> Callable:
-    """``entry(case, ..., cfg)`` with ``cfg``'s switches of the case in place."""
+    """``entry(case, ..., cfg)`` with ``cfg``'s switches of the case in place, on the rank's device
+    where one of ``args`` is its ``RankContext`` (the reference's: the CPU)."""
     @functools.wraps(entry)
     def wrapped(case: ModelCase, *args):
-        with cell.configured(case, args[-1]):
+        device = next((a.device for a in args if isinstance(a, RankContext)), torch.device("cpu"))
+        with cell.configured(case, args[-1], device):
             return entry(case, *args)
     return wrapped
 
