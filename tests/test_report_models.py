@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from harness.report.models import first_diverging, module_grid
+from harness.report.models import first_diverging, loss_gaps, module_grid
 from tests.project import UserProject
 
 MODEL = '''
@@ -74,6 +74,12 @@ def test_model_records_carry_every_steps_losses_and_the_failing_cells_module_err
     assert (modules[i], columns[j]) == ("fc2", (1, "fwd")), json.dumps(bad["model"])
     assert bad["where"].startswith("first diverging module: fc2 (output, step 1"), bad["where"]
     assert values[modules.index("fc1"), columns.index((1, "fwd"))] < 1  # upstream of the bug: green
+    # the loss plot's lower panel: run - reference per step, which the bug moves at every step and
+    # the right cells leave about 100 times smaller (fp32 rounding)
+    gaps = loss_gaps(list(records.values()))
+    bad_gap = min(abs(g) for cell, steps in gaps.items() if "-bad-" in cell for g in steps)
+    good_gap = max(abs(g) for cell, steps in gaps.items() if "-good-" in cell for g in steps)
+    assert bad_gap > 100 * good_gap and len(gaps[bad["cell"]]) == 3, gaps
 
 
 def test_the_report_holds_the_loss_plot_and_the_failing_cells_module_heatmap(reported):

@@ -2,7 +2,9 @@
 
 * ``losses-<model>.png``: the loss of every step, the one-process reference (black, one line per
   dtype: each dtype starts from its own rounded weights) and each cell's run on its mesh (one
-  coloured line per cell; a failing cell dashed red, marked ✗ in the legend).
+  coloured line per cell; a failing cell dashed red, marked ✗ in the legend); below it, each cell's
+  difference from its reference per step (``run - reference``, :func:`loss_gaps`), where curves that
+  coincide above part visibly.
 * ``modules-<cell id>.png``, for a failing cell: a module × step heatmap of err/tol from the hooks'
   events (rows the modules in the order the reference ran them, columns each step's forward output
   and backward input gradient): green passes, red fails, the first red square — the first
@@ -37,9 +39,22 @@ def model_records(records: list[dict]) -> list[dict]:
     return [r for r in records if r.get("model", {}).get("losses", {}).get("run")]
 
 
+def loss_gaps(records: list[dict]) -> dict[str, list[float]]:
+    """Each cell's loss minus its reference's, per step: the difference the loss plot's curves hide."""
+    return {r["cell"]: [run - ref for run, ref in zip(r["model"]["losses"]["run"], r["model"]["losses"]["reference"])]
+            for r in records}
+
+
+def _label(r: dict) -> str:
+    switches = f" {' '.join(f'{k}_{v}' for k, v in sorted(r['switches'].items()))}" if r["switches"] else ""
+    return ("✗ " if r["status"] == "failed" else "") + f"{r['impl']} {r['mesh']} {r['dtype']}{switches}"
+
+
 def plot_losses(model: str, records: list[dict], path) -> None:
-    """One plot: the reference's loss per step and each cell's."""
-    fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=100)
+    """Two panels: the reference's loss per step and each cell's; below, each cell's difference from
+    its reference per step."""
+    fig, (ax, below) = plt.subplots(2, 1, figsize=(7.5, 6.4), dpi=100, sharex=True,
+                                    gridspec_kw={"height_ratios": [3, 2]})
     seen = set()
     for r in sorted(records, key=lambda r: r["dtype"]):
         ref = r["model"]["losses"]["reference"]
@@ -47,18 +62,21 @@ def plot_losses(model: str, records: list[dict], path) -> None:
             seen.add(r["dtype"])
             ax.plot(range(1, len(ref) + 1), ref, color="black", lw=3, alpha=0.35,
                     label=f"reference (one process, fp64) from {r['dtype']} weights")
-    colours = RUN_COLOURS
+    colours, gaps = RUN_COLOURS, loss_gaps(records)
     for i, r in enumerate(sorted(records, key=lambda r: r["cell"])):
         run = r["model"]["losses"]["run"]
         failed = r["status"] == "failed"
-        ax.plot(range(1, len(run) + 1), run, marker="x" if failed else "o", ms=5,
-                ls="--" if failed else "-", lw=1.2, color=FAIL if failed else colours[i % len(colours)],
-                label=("✗ " if failed else "") + f"{r['impl']} {r['mesh']} {r['dtype']}"
-                + (f" {' '.join(f'{k}_{v}' for k, v in sorted(r['switches'].items()))}" if r["switches"] else ""))
+        style = dict(marker="x" if failed else "o", ms=5, ls="--" if failed else "-", lw=1.2,
+                     color=FAIL if failed else colours[i % len(colours)])
+        ax.plot(range(1, len(run) + 1), run, label=_label(r), **style)
+        below.plot(range(1, len(run) + 1), gaps[r["cell"]], **style)
     steps = max(len(r["model"]["losses"]["run"]) for r in records)
-    ax.set_xticks(range(1, steps + 1))
-    ax.set_xlabel("optimizer step")
+    below.set_xticks(range(1, steps + 1))
+    below.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
+    below.set_ylabel("run − reference")
+    below.axhline(0.0, color="black", lw=1, alpha=0.35)
+    below.grid(alpha=0.3)
     bad = sum(r["status"] == "failed" for r in records)
     ax.set_title(f"{model}: loss per step, reference and every mesh" + (f" — {bad} failing" if bad else ""),
                  loc="left", fontsize=11, color=FAIL if bad else "black")
