@@ -198,6 +198,9 @@ def _bisect(args, original: Config | None, cells: list[Config], trials: Trials, 
     place = located(minimal, trials.pool) if trials.pool is not None else None
     if place is not None:
         result["localisation"] = place.as_json()
+    slipped = _slipped(original, minimal, place, trials)
+    if slipped:
+        result["slipped"] = slipped
     _write_result(out, result)
     essential = ", ".join(roles["essential"]) or "none beyond the component itself"
     original_line = "" if minimal == original else f" (the original {original.id}: {target})"
@@ -205,8 +208,24 @@ def _bisect(args, original: Config | None, cells: list[Config], trials: Trials, 
                         f"{trials.count} trials, {seconds:.1f} s"))
     if place is not None:
         print(place.summary())
+    if slipped:
+        print(fitted(f"bisect slipped: the minimal config's divergence starts at {slipped['minimal']}, the "
+                     f"original's at {slipped['original']}: its signature matches the original's, but it may be "
+                     f"another bug; the original as it fails: python -m harness.bisect check {original.id}"))
     print(f"reproduce: {result['reproduce']}")
     return EXIT["bad"]
+
+
+def _slipped(original: Config, minimal: Config, place, trials: Trials) -> dict | None:
+    """``{"original": where, "minimal": where}`` when the minimal config's divergence starts elsewhere
+    than the original's (a model's first diverging module and what diverges there, a component's
+    event): shrinking met another bug that fails alike. None when they agree or either is unknown."""
+    if minimal == original or place is None or not place.start:
+        return None
+    first = located(original, trials.pool)
+    if first is None or not first.start or first.start == place.start:
+        return None
+    return {"original": first.start, "minimal": place.start}
 
 
 def _write_result(out: Path, result: dict) -> None:

@@ -11,6 +11,7 @@ tolerance policy. Two answers:
 """
 from __future__ import annotations
 
+import re
 import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -131,6 +132,19 @@ class Localisation:
     # the component's own diagnosis of the cell (Component.diagnose: what pytest prints under its
     # table), first in the summary; set by located()
     diagnosis: str = ""
+
+    @property
+    def start(self) -> str:
+        """Where the divergence starts, as two configs failing from one bug share it: a whole model's
+        first diverging module and what diverges there (``mlp.fc2 (output)``, ``... (parameter
+        gradients)``), its step and microbatch left out; else the pass and the kind of event where it
+        starts (``fwd expert``: which expert, layer or ring step varies with the config's sizes);
+        '' where neither is known."""
+        head = self.diagnosis.splitlines()[0] if self.diagnosis else ""
+        if head.startswith("first diverging module: "):
+            return re.sub(r", (step|microbatch) \d+|:.*$", "", head.removeprefix("first diverging module: ")).strip()
+        finding = self.origin or self.first_diverging
+        return " ".join(finding.key.split()[:2]) if finding is not None else ""
 
     def summary(self) -> str:
         """The lines a failing cell prints under its table (:func:`harness.screen.fitted` to the screen)."""
