@@ -1,8 +1,8 @@
 """``python -m harness.zoo transformers`` as a user runs it, from a directory of their own: a right
-plan passes at every mesh, a plan with a known upstream bug (apertus and inkling2_text, whose router
-forces fp32, in transformers 5.23, the pinned release) is ``known`` and its fix passes, an
-architecture the generic shrink cannot build is a skip that says why (never a red), and a bad option
-is one line with the fix."""
+plan passes at every mesh, and the plan entries its tiny build leaves unexercised are listed; a plan
+with a known upstream bug (apertus and inkling2_text, whose router forces fp32, in transformers
+5.23, the pinned release) is ``known`` and its fix passes, an architecture the generic shrink cannot
+build is a skip that says why (never a red), and a bad option is one line with the fix."""
 import json
 import os
 
@@ -57,6 +57,11 @@ def test_the_zoo_checks_each_plan_and_skips_what_it_cannot_build(project):
         "python -m harness.zoo transformers --only apertus --plans tp", cells
     assert "reproduce" not in cells["hfllama-tp-tp2-fp32-plain-steps3-seed0"]
     made = json.loads((project.path / "out" / "zoo.json").read_text())
+    # Qwen3-MoE's plan shards the dense MLP that layers outside decoder_sparse_step have; the tiny
+    # config's layers are all MoE, so no cell exercises those entries, and the report says so
+    dense = ["model.layers.*.mlp.gate_proj", "model.layers.*.mlp.up_proj", "model.layers.*.mlp.down_proj"]
+    assert made["unexercised"] == {"qwen3_moe": {"tp": dense}}, made["unexercised"]
+    assert "## Plan entries no cell exercises" in table and "| qwen3_moe | tp | `model.layers.*.mlp.gate_proj`" in table
     assert made["transformers"] == "5.23.0" and made["python"].startswith("3.") and made["minutes"] > 0, made
     assert made["harness"].startswith("paritytest ") and made["date"].endswith(" UTC"), made
     page = (project.path / "out" / "zoo.html").read_text()

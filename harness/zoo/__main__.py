@@ -149,15 +149,32 @@ def annotate(found: list[dict], library: str) -> list[dict]:
     return found
 
 
-def markdown(found: list[dict], versions: str, library: str = "transformers") -> str:
+UNEXERCISED = ("Plan entries no cell exercises: they name no module or parameter of the tiny build (its config "
+               "turns them off, or they name nothing at all)")
+
+
+def unexercised(found: list[dict], library: str) -> dict[str, dict[str, list[str]]]:
+    """Per model the zoo ran, its plans' entries that no cell exercises (the library zoo's
+    ``unexercised``; none for a zoo without one)."""
+    entries = getattr(_zoo(library), "unexercised", None)
+    if entries is None:
+        return {}
+    return {model: missed for model in sorted({r["model"] for r in found}) if (missed := entries(model))}
+
+
+def markdown(found: list[dict], versions: str, library: str = "transformers", unused: dict | None = None) -> str:
     lines = [f"# {library} zoo ({versions})", "", counts(found), "",
              "| cell | verdict | why | reproduce |", "|---|---|---|---|"]
     lines += [f"| `{r['cell']}` | {r['verdict']} | {r['why'].replace('|', '/')} | "
               + (f"`{r['reproduce']}`" if r.get("reproduce") else "") + " |" for r in found]
+    if unused:
+        lines += ["", f"## {UNEXERCISED}", "", "| model | plan | entries |", "|---|---|---|"]
+        lines += [f"| {model} | {plan} | {', '.join(f'`{e}`' for e in missed)} |"
+                  for model, plans in unused.items() for plan, missed in plans.items()]
     return "\n".join(lines) + "\n"
 
 
-def html(found: list[dict], versions: str, library: str = "transformers") -> str:
+def html(found: list[dict], versions: str, library: str = "transformers", unused: dict | None = None) -> str:
     """Model x (plan, mesh), each square coloured by its verdict; a legend; below, every cell that did
     not pass with its line and the command that reproduces it. A plan an architecture does not ship
     (no EP plan) reads ``not shipped``; a square of no cell at all, blank (not run)."""
@@ -192,7 +209,12 @@ def html(found: list[dict], versions: str, library: str = "transformers") -> str
             f"<h1>{library} zoo</h1><p>{escape(versions)}</p><p>{counts(found)}</p><p>{legend}</p>"
             f"<table><tr><th></th>{head}</tr>{''.join(body)}</table>"
             f"<h2>Not passing</h2><table><tr><th>cell</th><th>verdict</th><th>why</th><th>reproduce</th></tr>{notes}"
-            f"</table><h2>Skipped</h2><table><tr><th>cell</th><th>why</th></tr>{skips}</table>")
+            f"</table><h2>Skipped</h2><table><tr><th>cell</th><th>why</th></tr>{skips}</table>"
+            + (f"<h2>{escape(UNEXERCISED)}</h2><table><tr><th>model</th><th>plan</th><th>entries</th></tr>"
+               + "".join(f"<tr><td>{escape(model)}</td><td>{plan}</td>"
+                         f"<td><code>{escape(', '.join(missed))}</code></td></tr>"
+                         for model, plans in unused.items() for plan, missed in plans.items()) + "</table>"
+               if unused else ""))
 
 
 def changes(old: dict, new: dict) -> list[str]:
@@ -252,10 +274,11 @@ def run(args) -> int:
               file=sys.stderr)
         return 2
     made = provenance(library, time.monotonic() - started)
+    unused = unexercised(found, library)
     versions = title(made)
-    (args.out / "zoo.json").write_text(json.dumps(made | {"cells": found}, indent=1))
-    (args.out / "zoo.md").write_text(markdown(found, versions, library))
-    (args.out / "zoo.html").write_text(html(found, versions, library))
+    (args.out / "zoo.json").write_text(json.dumps(made | {"cells": found, "unexercised": unused}, indent=1))
+    (args.out / "zoo.md").write_text(markdown(found, versions, library, unused))
+    (args.out / "zoo.html").write_text(html(found, versions, library, unused))
     print(f"zoo ({versions}): {counts(found)}: {args.out / 'zoo.md'}, zoo.html, zoo.json")
     return 0
 
