@@ -154,12 +154,13 @@ UNEXERCISED = ("Plan entries no cell exercises: they name no module or parameter
 
 
 def unexercised(found: list[dict], library: str) -> dict[str, dict[str, list[str]]]:
-    """Per model the zoo ran, its plans' entries that no cell exercises (the library zoo's
-    ``unexercised``; none for a zoo without one)."""
+    """Per model the zoo ran (a cell of it not skipped), its plans' entries that no cell exercises
+    (the library zoo's ``unexercised``; none for a zoo without one)."""
     entries = getattr(_zoo(library), "unexercised", None)
     if entries is None:
         return {}
-    return {model: missed for model in sorted({r["model"] for r in found}) if (missed := entries(model))}
+    ran = sorted({r["model"] for r in found if r["verdict"] != "skip"})
+    return {model: missed for model in ran if (missed := entries(model))}
 
 
 def markdown(found: list[dict], versions: str, library: str = "transformers", unused: dict | None = None) -> str:
