@@ -24,7 +24,7 @@ def zoo(project, *args):
 
 def test_the_zoo_checks_each_plan_and_skips_what_it_cannot_build(project):
     pytest.importorskip("transformers", reason="pip install -e '.[thirdparty]'")
-    done = zoo(project, "--only", "llama,qwen3_moe,llama4,apertus,inkling2_text,gemma", "--plans", "tp,ep", "-n", "1",
+    done = zoo(project, "--only", "llama,qwen3_moe,llama4,apertus,inkling2_text,gemma,step3p5", "--plans", "tp,ep", "-n", "1",
                "--out", "out")
     assert done.returncode == 0, done.tail
     cells = {r["cell"]: r for r in json.loads((project.path / "out" / "zoo.json").read_text())["cells"]}
@@ -47,10 +47,14 @@ def test_the_zoo_checks_each_plan_and_skips_what_it_cannot_build(project):
         "hfinkling2text-ep-dp2-fp32-ep_2-steps3-seed0": "pass",
         # its embeddings tied, as shipped: sharded and tied again in from_pretrained's order
         "hfgemma-tp-tp2-fp32-plain-steps3-seed0": "pass", "hfgemma-tp-tp4-fp32-plain-steps3-seed0": "pass",
+        # MoE from its fourth layer as shipped: the tiny config's OVERRIDES make its second layer sparse,
+        # so the ep cell dispatches tokens to experts (the planted test below: without them, a skip)
+        "hfstep3p5-tp-tp2-fp32-plain-steps3-seed0": "pass", "hfstep3p5-tp-tp4-fp32-plain-steps3-seed0": "pass",
+        "hfstep3p5-ep-dp2-fp32-ep_2-steps3-seed0": "pass",
     }, verdicts
     assert cells["hfllama4-tp-tp2-fp32-plain-steps3-seed0"]["why"].startswith("not built tiny: "), cells
     table = (project.path / "out" / "zoo.md").read_text()
-    assert "10 pass, 0 red, 0 crash, 2 skip, 4 known, 0 fixed" in table, table
+    assert "13 pass, 0 red, 0 crash, 2 skip, 4 known, 0 fixed" in table, table
     # what a maintainer acts on: the command per cell that did not pass, what the report was made with,
     # the page by model type with a legend, and a plan not shipped told from a cell not run
     assert cells["hfapertus-tp-tp4-fp32-plain-steps3-seed0"]["reproduce"] == \
@@ -76,8 +80,10 @@ def test_a_known_bug_whose_cell_fails_another_way_a_lost_tie_and_a_wrong_load_ar
     """A throwaway copy of the tree whose apertus entry declares another first line than the one its
     cells fail with: they are red, naming where they start and the bug declared, not known. In the
     same copy, the tied embeddings of a built model left untied after sharding (gemma ships them
-    tied): red where the embedding's gradient misses the head's. And hrm_text's loading bug no longer
-    declared: its from_pretrained cell is red by the load check, naming which rows landed where."""
+    tied): red where the embedding's gradient misses the head's. hrm_text's loading bug no longer
+    declared: its from_pretrained cell is red by the load check, naming which rows landed where. And
+    step3p5 without the override that makes a tiny layer sparse: its ep cell would run no expert, so
+    it skips saying so, and the report lists the expert entries as unexercised."""
     pytest.importorskip("transformers", reason="pip install -e '.[thirdparty]'")
     tree = copy_checkout(tmp_path / "tree")
     source = tree / "harness" / "zoo" / "transformers.py"
@@ -91,9 +97,12 @@ def test_a_known_bug_whose_cell_fails_another_way_a_lost_tie_and_a_wrong_load_ar
     entry = 'KnownBug("hrm_text", ("tpauto",)'
     assert entry in source.read_text()
     source.write_text(source.read_text().replace(entry, 'KnownBug("undeclared", ("tpauto",)'))
+    sparse = '    "step3p5": {"mlp_layer_types": ["dense", "sparse"], "share_expert_dim": 16},\n'
+    assert sparse in source.read_text()
+    source.write_text(source.read_text().replace(sparse, ""))
     env = project.env(PYTHONPATH=os.pathsep.join([str(tree), str(project.path)]))
-    done = project.harness("zoo", "transformers", "--only", "apertus,gemma,hrm_text", "--plans", "tp,tpauto", "-n", "1",
-                           "--out", "out", env=env, timeout=900)
+    done = project.harness("zoo", "transformers", "--only", "apertus,gemma,hrm_text,step3p5", "--plans", "tp,tpauto,ep",
+                           "-n", "1", "--out", "out", env=env, timeout=900)
     assert done.returncode == 0, done.tail
     cells = {r["cell"]: r for r in json.loads((project.path / "out" / "zoo.json").read_text())["cells"]}
     assert {c: r["verdict"] for c, r in cells.items()} == {
@@ -102,7 +111,17 @@ def test_a_known_bug_whose_cell_fails_another_way_a_lost_tie_and_a_wrong_load_ar
         "hfgemma-tp-tp2-fp32-plain-steps3-seed0": "red", "hfgemma-tp-tp4-fp32-plain-steps3-seed0": "red",
         "hfgemma-tpauto-tp2-fp32-plain-steps3-seed0": "pass",  # from_pretrained ties it itself
         "hfhrmtext-tp-tp2-fp32-plain-steps3-seed0": "pass", "hfhrmtext-tp-tp4-fp32-plain-steps3-seed0": "pass",
-        "hfhrmtext-tpauto-tp2-fp32-plain-steps3-seed0": "red"}, cells
+        "hfhrmtext-tpauto-tp2-fp32-plain-steps3-seed0": "red",
+        # two dense layers: the TP plan's dense entries are exercised, the experts' are not
+        "hfstep3p5-tp-tp2-fp32-plain-steps3-seed0": "pass", "hfstep3p5-tp-tp4-fp32-plain-steps3-seed0": "pass",
+        "hfstep3p5-tpauto-tp2-fp32-plain-steps3-seed0": "pass", "hfstep3p5-ep-dp2-fp32-ep_2-steps3-seed0": "skip"}, cells
+    assert cells["hfstep3p5-ep-dp2-fp32-ep_2-steps3-seed0"]["why"].startswith(
+        "the tiny build has no expert its EP plan names (layers.*.mlp.experts): a cell would run the dense model"), cells
+    experts = ["layers.*.mlp.experts.gate_up_proj", "layers.*.mlp.experts.down_proj", "layers.*.mlp.experts"]
+    made = json.loads((project.path / "out" / "zoo.json").read_text())
+    assert made["unexercised"] == {"step3p5": {"tp": experts, "ep": experts}}, made["unexercised"]
+    table = (project.path / "out" / "zoo.md").read_text()
+    assert "## Plan entries no cell exercises" in table and "| step3p5 | ep | `layers.*.mlp.experts.gate_up_proj`" in table
     why = cells["hfapertus-tp-tp2-fp32-plain-steps3-seed0"]["why"]
     assert why.startswith("first diverging module: model.layers.1.mlp.act_fn (parameter gradients, step 1)"), why
     assert "(not the declared bug, transformers 5.23.0: the MLP's xIELU activation" in why, why

@@ -50,7 +50,15 @@ RANDOM = re.compile(r".*(dropout|jitter).*")
 # per family, the size fields the generic shrink does not know (the meta-device size check names
 # the parameters they leave large)
 OVERRIDES: dict[str, dict] = {
-    "gemma4_text": {"vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 8, "global_head_dim": 8},
+    # its MoE block is off by default (enable_moe_block): on, so the EP plan and the experts' TP entries
+    # name something
+    "gemma4_text": {"vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 8, "global_head_dim": 8,
+                    "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 16},
+    # MoE from the fourth layer (beam, step3p5) or the third (flint) as shipped: the tiny model's two
+    # layers were both dense, so their EP cells ran no expert; a dense layer, then a sparse one
+    "beam": {"mlp_layer_types": ["dense", "sparse"]},
+    "step3p5": {"mlp_layer_types": ["dense", "sparse"], "share_expert_dim": 16},
+    "flint": {"mlp_only_layers": [0]},
     "deepseek_v4": {"head_dim": 8, "o_lora_rank": 16, "index_head_dim": 8, "index_topk": 4},
     "muse_spark_text": {"moe_hidden_size": 16},
     "granitemoehybrid": {"mamba_n_heads": 8, "mamba_d_head": 8},
@@ -160,6 +168,11 @@ KNOWN: tuple[KnownBug, ...] = (
                "embedding's partial sums before the style reduces them: DTensor cannot reduce a Partial there",
                r"in module (model\.)?embed_tokens\.embed_norm: AssertionError")
       for model_type in ("inkling_text", "muse_glimmer_text", "muse_spark_text")),
+    KnownBug("gemma4_text", ("ep",), ("5.23.0",),
+             "crash: its EP plan also shards the dense MLP beside the experts (gate_proj and up_proj colwise, "
+             "down_proj rowwise) over the ep ranks, which ep borrows from dp; apply_fully_sharded_data_parallelism "
+             "then shards those DTensors again over dp, the same ranks, and fully_shard cannot compose the two",
+             r"RuntimeError: Cannot concatenate overlapping meshes: \[DeviceMesh\(\(dp=2\)"),
     KnownBug("llama4_text", ("tp", "tpauto"), ("5.23.0",),
              "crash: the MoE block adds the routed experts' output in place (out.add_) to the shared expert's "
              "output, a view _ToTorchTensor returns under autograd",
@@ -337,6 +350,7 @@ def unbuilt(model_type: str) -> str | None:
     return None
 
 
+@functools.cache
 def unexercised(model_type: str) -> dict[str, list[str]]:
     """The entries of the architecture's TP and EP plans (``_tp_plan``, ``_ep_plan`` of the model it
     builds, by plan) that name no module or parameter of its tiny build: what the tiny config turns
@@ -361,10 +375,28 @@ def unexercised(model_type: str) -> dict[str, list[str]]:
     return missed
 
 
+def _expertless(model_type: str) -> str | None:
+    """Why an expert cell of ``model_type`` would check nothing of expert parallelism: no expert the
+    EP plan names is in the tiny build (a config that turns its MoE layers off, or leaves them past
+    the tiny model's layers). Such a cell would pass as the dense model it runs."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    plan = getattr(CONFIG_MAPPING[model_type], "base_model_ep_plan", None) or {}
+    experts = [e for e in plan if e.endswith("experts")]  # the dispatch entry: ep_dispatch_experts
+    missed = unexercised(model_type).get("ep", [])
+    if experts and all(any(m.endswith(e) for m in missed) for e in experts):
+        return (f"the tiny build has no expert its EP plan names ({', '.join(experts)}): a cell would run the "
+                "dense model; OVERRIDES must switch its MoE layers on")
+    return None
+
+
 def skip_reason(cfg) -> str | None:
-    """A zoo cell's skip: the architecture's (``Implementation.skip``)."""
-    reason = unbuilt(get(cfg.component).case.partition("(")[2].rstrip(")"))
-    return f"not built tiny: {reason}" if reason else None
+    """A zoo cell's skip: the architecture's (``Implementation.skip``), or, for an expert plan's
+    cell, a tiny build without experts."""
+    model_type = get(cfg.component).case.partition("(")[2].rstrip(")")
+    if reason := unbuilt(model_type):
+        return f"not built tiny: {reason}"
+    return _expertless(model_type) if cfg.impl in EXPERT_PLANS else None
 
 
 def tp_with(model, meshes, tp_plan: dict[str, str]):
