@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 import sys
 from collections import Counter, defaultdict
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -343,14 +345,32 @@ def located(cfg: Config | Cell, pool: Pool) -> Localisation | None:
     diverging module: the line pytest prints under the cell's table, from the same function). A crash
     or hang while recording leaves none (said on stderr)."""
     cell = as_cell(cfg, pool.size)
+    # a component's own diagnosis compares every event (a model's: its heatmap): one recording serves it
+    # and this localisation, which reads the same first divergence from it
+    complete = bool(cell.component.diagnose)
     try:
-        found = localise(cell, pool)
+        found = localise(cell, pool, complete=complete)
     except (CaseFailure, PoolError) as error:
         print(f"events of {cell.id} could not be recorded: {str(error).splitlines()[0]}", file=sys.stderr)
         return None
-    if cell.component.diagnose and found.report is not None and not found.report.ok:
-        found.diagnosis = cell.diagnose(pool, found.report, rerun=True).text
+    if complete and found.report is not None and not found.report.ok:
+        with _recorded(cell.cfg, found):
+            found.diagnosis = cell.diagnose(pool, found.report, rerun=True).text
     return found
+
+
+# the complete localisation located() recorded, for the diagnosis it calls to read instead of recording
+# the same run again
+_RECORDED: ContextVar[tuple[Config, Localisation] | None] = ContextVar("recorded", default=None)
+
+
+@contextmanager
+def _recorded(cfg: Config, found: Localisation):
+    token = _RECORDED.set((cfg, found))
+    try:
+        yield
+    finally:
+        _RECORDED.reset(token)
 
 
 def diagnosis(cfg: Config, pool, report, rerun: bool) -> Diagnosis:
@@ -401,6 +421,8 @@ def localise(cfg: Config | Cell, pool: Pool, complete: bool = False) -> Localisa
     ``complete``: compare every event (kept in ``findings``) instead of stopping where it starts."""
     cell = as_cell(cfg, pool.size).valid()
     cfg = cell.cfg
+    if complete and (held := _RECORDED.get()) is not None and held[0] == cfg:
+        return held[1]
     reference = _recorded_reference(cell, pool, cell.component.reference, "its reference")
     calibrated = _calibrated_events(cell, pool)
     # the cell's own deadline (a model's deadline_factor): recording costs more than the cell, not less
