@@ -81,6 +81,9 @@ class Space:
     # switch -> the mesh dims it acts with (sequence parallelism: tp); elsewhere it changes nothing,
     # so --quick covers each of its values on a mesh where one of these has a degree above 1
     acts_with: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # whether a mesh runs is decided by the mesh and the switches, not the sizes (a model's
+    # ``supports``): exploration then draws only meshes that run, instead of drafting and rejecting
+    mesh_decides: bool = False
 
 
 @dataclass

@@ -177,9 +177,10 @@ def test_exploration_finds_and_shrinks_the_planted_bug(tmp_path, target):
     # seeded: the same draws in every run, so whether the bug is found within the examples does not
     # hang on luck or on the machine's load (the seconds only bound a stuck run)
     done = explore(project, target, *IGNORE[target], "--seed", SEEDS.get(target, "0"), "--max-examples", EXAMPLES,
-                   # 15 s of shrinking: what a shrunk config must be (the bug's shape) holds for any failure
-                   # the search meets; shrinks end in 25-36 s here, and the shape is the check
-                   "--max-seconds", "1500", "--shrink-seconds", "15", timeout=2400)
+                   # 5 s of shrinking, both halves (hypothesis's, then bisect's search) run: what a shrunk
+                   # config must be (the bug's shape) holds for any failure the search meets, so the shape
+                   # is the check, not how far it shrank (a whole shrink takes 25-36 s here)
+                   "--max-seconds", "1500", "--shrink-seconds", "5", timeout=2400)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     (found,) = results(project)
     minimal, first = Config.parse(found["minimal"]), Config.parse(found["first"])
@@ -281,7 +282,7 @@ def test_pytest_explore_fails_the_target_whose_cells_it_selected_and_the_command
     assert 'add it to the matrix in test_mine.py: CELLS.append(Config.parse("tp-rowsplit-' in done.stdout
     assert list((project / ".hypothesis" / "explore").iterdir())
     # the same project's database, under the same key: the command line replays what the gate found
-    replays(project, ("--ignore", "loss", "--max-examples", EXAMPLES, "--max-seconds", "400", "--shrink-seconds", "30"))
+    replays(project, ("--ignore", "loss", "--max-examples", EXAMPLES, "--max-seconds", "400", "--shrink-seconds", "5"))
 
 
 # ---- the nightly workflow ---------------------------------------------------------------------------------

@@ -48,3 +48,31 @@ def test_the_fixed_cells_pass_and_exploring_the_switches_finds_shrinks_and_print
     assert f'CELLS.append(Config.parse("{cell}"))' in found.stdout
     result = json.loads((user_project.path / "out" / "result.json").read_text())
     assert result[0]["minimal"] == cell
+
+
+# the team's trainer of two dims: dp and tp together or not at all, its plan right
+TOGETHER = '''
+def together(spec):
+    if spec.pp > 1 or spec.cp > 1 or spec.rep > 1 or spec.dp == 1 or spec.tp == 1:
+        return "dp and tp together only"
+    return None
+
+
+CASE = ModelCase('''
+PAIR = (CASE.replace('fast = switches()["act"] == "silu" and switches()["bias"] == "off"', "fast = False")
+        .replace("\nCASE = ModelCase(", TOGETHER).replace("supports={\"mine\": tp_and_dp}", "supports={\"mine\": together}"))
+
+
+def test_a_model_that_runs_on_few_meshes_is_explored_on_those_without_rejected_draws(user_project):
+    # drafting meshes and rejecting the ones its supports refuse, 70% of such a model's draws found
+    # nothing that runs: now its meshes are drawn from those it supports
+    assert "fast = False" in PAIR and "together}" in PAIR
+    user_project.write({"paircase.py": PAIR, "conftest.py": 'from harness.model import register_model\n\n'
+                        'register_model("pair", "paircase:CASE")\n'})
+    done = user_project.harness("explore", "pair:mine", "--pool-size", "4", "--seed", "0", "--max-examples", "8",
+                                "--out", str(user_project.path / "out"), "--case-deadline", "120", timeout=600)
+    assert done.returncode == 0, done.tail  # its plan is right: nothing found
+    (result,) = json.loads((user_project.path / "out" / "result.json").read_text())
+    assert result["rejected draws"] == 0 and result["trials"] >= 4, result
+    tried = [line.split()[-1] for line in done.stderr.splitlines() if " search trial " in line]
+    assert tried and all("dp2" in cell and "tp2" in cell for cell in tried), tried

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
-from hypothesis.errors import Unsatisfiable
+from hypothesis.errors import Unsatisfiable, UnsatisfiedAssumption
 
 from ..bisect.localise import located
 from ..bisect.runner import Trial, Trials
@@ -72,6 +72,7 @@ class Exploration:
     impl: str
     trials: int = 0  # configs run in the pool (a config met again is not run again)
     drawn: int = 0  # examples hypothesis drew, invalid ones included
+    rejected: int = 0  # of them, draws that found no config that runs here (invalid to hypothesis)
     seconds: float = 0.0
     stored: int = 0  # examples the database held for this target at the start
     minimal: Config | None = None
@@ -117,7 +118,8 @@ class Exploration:
         return "\n".join(lines)
 
     def as_json(self) -> dict:
-        out = {"target": self.target, "trials": self.trials, "drawn": self.drawn, "seconds": round(self.seconds, 2),
+        out = {"target": self.target, "trials": self.trials, "drawn": self.drawn, "rejected draws": self.rejected,
+               "seconds": round(self.seconds, 2),
                "stored examples": self.stored, "verdict": "divergence" if self.minimal else "not judged" if self.not_judged else "no divergence"}
         if self.not_judged:
             out["not judged"] = self.not_judged
@@ -178,7 +180,11 @@ def explore(component: str, impl: str, pool: Pool, budget: Budget, *, db_path: P
     @given(st.data())
     def trial(data):
         result.drawn += 1
-        cfg = data.draw(configs(component, impl, pool.size), label="config")
+        try:
+            cfg = data.draw(configs(component, impl, pool.size), label="config")
+        except UnsatisfiedAssumption:
+            result.rejected += 1
+            raise
         now = time.monotonic()  # checked after the draw: hypothesis must see every example draw alike
         if not found_at and now - start > budget.max_seconds:
             result.budget = f"{budget.max_seconds:g} s of search (--max-seconds)"

@@ -18,6 +18,7 @@ and smaller mesh dims, the simplest switch values, fp32, small sizes, seed 0.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 from hypothesis import strategies as st
@@ -87,13 +88,50 @@ def sizes(draw, ranges: dict[str, tuple[int, int]], mesh: tuple[tuple[str, int],
     return out
 
 
+def every_mesh(dims: tuple[str, ...], pool_size: int, ordered: bool = False,
+               one_rank: bool = False) -> list[tuple[tuple[str, int], ...]]:
+    """Every mesh :func:`meshes` can draw, simplest first (fewer dims, fewer ranks)."""
+    import itertools
+
+    found = set()
+    for count in range(1, min(3, len(dims)) + 1):
+        for names in (itertools.combinations if ordered else itertools.permutations)(dims, count):
+            least = 1 if one_rank or count > 1 or pool_size < 2 else 2
+
+            def grow(mesh: tuple, room: int):
+                i = len(mesh)
+                if i == count:
+                    found.add(mesh)
+                    return
+                for degree in range(least if not i else 2, max(least, room) + 1):
+                    if degree <= room or (not i and degree == least):
+                        grow(mesh + ((names[i], degree),), room // degree)
+
+            grow((), pool_size)
+    return sorted(found, key=lambda m: (len(m), math.prod(d for _, d in m), [dims.index(n) for n, _ in m],
+                                        [d for _, d in m]))
+
+
+@functools.cache
+def _meshes_that_run(component: str, impl: str, pool_size: int, switches: tuple[tuple[str, str], ...]) -> tuple:
+    """For a space whose meshes are decided by the mesh and switches alone (``Space.mesh_decides``):
+    the meshes a config with these switches runs on (in some dtype), simplest first."""
+    space = required_space(get(component))
+    least = {key: lo for key, (lo, _) in space.sizes.items()}
+    return tuple(mesh for mesh in every_mesh(space.dims, pool_size, space.ordered, space.one_rank)
+                 if any(runnable(Config(component, impl, mesh, dtype, least, dict(switches), 0), pool_size) is None
+                        for dtype in space.dtypes))
+
+
 def _switches(draw, component: Component) -> dict[str, str]:
     return {key: draw(st.sampled_from(values)) for key, values in component.switch_values().items()}
 
 
 def _draft(draw, component: Component, impl: str, pool_size: int, switches: dict[str, str]) -> Config:
     space = required_space(component)
-    mesh = draw(meshes(space.dims, pool_size, space.ordered, space.one_rank))
+    run = _meshes_that_run(component.name, impl, pool_size, tuple(switches.items())) if space.mesh_decides else ()
+    # drawn among the meshes that run: the case's supports would reject most others (a trainer of two dims)
+    mesh = draw(st.sampled_from(run) if run else meshes(space.dims, pool_size, space.ordered, space.one_rank))
     dtype = draw(st.sampled_from(space.dtypes))
     drawn = draw(sizes(space.sizes, mesh))
     seed = draw(st.integers(0, MAX_SEED))

@@ -353,4 +353,4 @@ def space(case: ModelCase) -> Space:
     rules keep what the case supports), fp32 and bf16, one to three steps, and the case's own
     switches (with the mesh dims each acts with)."""
     return Space(dims=DENSE, sizes={"steps": (1, 3)}, switches=dict(case.switches), ordered=True, only_these=True,
-                 acts_with=dict(case.acts_with))
+                 acts_with=dict(case.acts_with), mesh_decides=True)
