@@ -9,7 +9,10 @@ each a mistake made in the user's own code, through the framework's own API, nev
 * ``ACCEL``: ``harness/examples/accelerate_hf.py`` with ``ParallelismConfig(dp_shard_size=WORLD_SIZE,
   tp_size=2)``: the dp_shard dim built from the whole world, the tp ranks not taken out;
 * ``NOFP64``: ``harness/examples/qwen3moe_grouped_hf.py`` as a user first writes it, without
-  ``fp32_ops``: its ``grouped_mm`` experts have no fp64 kernel for the reference.
+  ``fp32_ops``: its ``grouped_mm`` experts have no fp64 kernel for the reference;
+* ``SAVEDSWAPPED``: ``harness/examples/pretrained_hf.py`` with a user's model class whose
+  ``save_pretrained`` of a sharded model writes the first query projection's two tp shards in the
+  wrong order (as a gather that puts rank 1's rows first): it loads right and saves wrong.
 """
 import dataclasses
 
@@ -49,3 +52,32 @@ LOSSWORLD = dataclasses.replace(PARTIAL, loss=loss_over_world, parallelize={"aut
 ACCEL = ModelCase(build=accelerate_hf.build, batch=accelerate_hf.batch, loss=accelerate_hf.loss,
                   forward=accelerate_hf.forward, parallelize={"worldshard": dp_shard_over_the_world})
 NOFP64 = dataclasses.replace(qwen3moe_grouped_hf.CASE, fp32_ops=())
+
+
+SWAPPED = "model.layers.0.self_attn.q_proj.weight"
+
+
+def shards_saved_swapped():
+    """A tiny Llama whose class saves a sharded model with :data:`SWAPPED`'s two halves of rows
+    swapped (a plain model, as rank 0 saves the seeded start, is saved right)."""
+    from safetensors.torch import load_file, save_file
+    from torch.distributed.tensor import DTensor
+
+    from harness.examples.hf import LlamaForCausalLM
+
+    class ShardsSavedSwapped(LlamaForCausalLM):
+        def save_pretrained(self, save_directory, *args, **kwargs):
+            super().save_pretrained(save_directory, *args, **kwargs)
+            if any(isinstance(p, DTensor) for p in self.parameters()):  # every rank saves a sharded model
+                if dist.get_rank() == 0:
+                    file = f"{save_directory}/model.safetensors"
+                    tensors = load_file(file)
+                    rows = tensors[SWAPPED].shape[0] // 2
+                    tensors[SWAPPED] = tensors[SWAPPED].roll(rows, 0).contiguous()
+                    save_file(tensors, file, metadata={"format": "pt"})
+                dist.barrier()
+
+    return ShardsSavedSwapped(pretrained_hf.config())
+
+
+SAVEDSWAPPED = dataclasses.replace(LOSSWORLD, build=shards_saved_swapped, loss=pretrained_hf.loss)

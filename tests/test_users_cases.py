@@ -15,9 +15,11 @@ from there (the harness the one on PYTHONPATH, as in tests/test_world.py).
 * accelerate's ``ParallelismConfig`` with dp_shard built from the whole world: red, naming the mesh
   larger than the world and where accelerate built it;
 * the same grouped_mm MoE case without ``fp32_ops``: red, one line naming the op with no fp64 kernel,
-  the module it ran in and the fix, no traceback.
+  the module it ran in and the fix, no traceback;
+* the from_pretrained case with a model class that saves a sharded model's shards swapped: red by the
+  round trip before any step, naming the parameter and which rows landed where.
 
-The six cells run in one pytest session (one pool): each test below reads its own cell's part.
+The seven cells run in one pytest session (one pool): each test below reads its own cell's part.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ CONFTEST = textwrap.dedent('''\
     register_model("worldshard", "tests.model_bugs_users:ACCEL")
     register_model("lossworld", "tests.model_bugs_users:LOSSWORLD")
     register_model("nofp64", "tests.model_bugs_users:NOFP64")
+    register_model("savedswapped", "tests.model_bugs_users:SAVEDSWAPPED")
     ''')
 TEST = textwrap.dedent('''\
     import pytest
@@ -52,7 +55,8 @@ TEST = textwrap.dedent('''\
              + model_cells("partialtp", meshes=["tp=2"])
              + model_cells("worldshard", meshes=["dp=2,tp=2"])
              + model_cells("lossworld", meshes=["tp=2"])
-             + model_cells("nofp64", meshes=["dp=2"], switches={"ep": ["2"]}))
+             + model_cells("nofp64", meshes=["dp=2"], switches={"ep": ["2"]})
+             + model_cells("savedswapped", meshes=["tp=2"]))
 
 
     @pytest.mark.parametrize("cfg", CELLS, ids=str)
@@ -64,7 +68,8 @@ IDS = {"pretrained": "mypretrained-auto-tp2-fp32-plain-steps3-seed0",
        "partial": "partialtp-partial-tp2-fp32-plain-steps3-seed0",
        "worldshard": "worldshard-worldshard-dp2.tp2-fp32-plain-steps3-seed0",
        "lossworld": "lossworld-auto-tp2-fp32-plain-steps3-seed0",
-       "nofp64": "nofp64-ep-dp2-fp32-ep_2-steps3-seed0"}
+       "nofp64": "nofp64-ep-dp2-fp32-ep_2-steps3-seed0",
+       "savedswapped": "savedswapped-auto-tp2-fp32-plain-steps3-seed0"}
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +139,11 @@ def test_a_kernel_with_no_fp64_is_one_line_naming_the_op_the_module_and_the_fix(
                      r"has no float64 kernel here \(.*\); run it from its fp32 kernel in the reference: "
                      r"ModelCase\(fp32_ops=\('_grouped_mm',\)\)", text), text[-6000:]
     assert "Traceback" not in text.split("reproduce:")[0], text[-6000:]
+
+
+def test_a_model_that_loads_right_and_saves_its_shards_swapped_is_red_by_the_round_trip(run):
+    assert outcome(run, "savedswapped") == "FAILED"
+    text = flat(failure(run, "savedswapped"))
+    assert ("LoadMismatch: the round trip: save_pretrained of the model from_pretrained loaded, loaded again on one "
+            "process, holds 1 parameter(s) other than the ones first saved: model.layers.0.self_attn.q_proj.weight: "
+            "rows 0-7 hold saved rows 8-15, rows 8-15 hold saved rows 0-7") in text, text[-4000:]

@@ -41,8 +41,10 @@ class LoadMismatch(AssertionError):
 
 def parallelize(model, meshes, tp_plan="auto"):
     """Save ``model``, load it with the TP plan, and check the load before any step: every loaded
-    parameter, gathered (``full_tensor()``), must be the one saved (:class:`LoadMismatch` names
-    each that is not, and where its rows came from)."""
+    parameter, gathered (``full_tensor()``), must be the one saved; then the round trip, the
+    sharded model saved as a training run saves it (``save_pretrained`` on every rank) and loaded
+    again on one process, must give the saved parameters back. :class:`LoadMismatch` names each
+    parameter that is not and where its rows came from."""
     from harness.examples.hf import DistributedConfig
 
     path = cell_dir()
@@ -50,9 +52,16 @@ def parallelize(model, meshes, tp_plan="auto"):
         model.save_pretrained(path)
     dist.barrier()
     loaded = type(model).from_pretrained(path, distributed_config=DistributedConfig(tp_plan=tp_plan))
-    if wrong := loaded_wrong(dict(model.named_parameters()), dict(loaded.named_parameters())):
+    saved = dict(model.named_parameters())
+    if wrong := loaded_wrong(saved, dict(loaded.named_parameters())):
         raise LoadMismatch(f"from_pretrained loaded {len(wrong)} parameter(s) other than save_pretrained was given "
                            f"(each gathered with full_tensor()): {'; '.join(wrong)}")
+    again = path / "saved-sharded"
+    loaded.save_pretrained(again)  # every rank: transformers gathers the shards, one rank writes
+    dist.barrier()
+    if wrong := loaded_wrong(saved, dict(type(model).from_pretrained(again).named_parameters())):
+        raise LoadMismatch(f"the round trip: save_pretrained of the model from_pretrained loaded, loaded again on one "
+                           f"process, holds {len(wrong)} parameter(s) other than the ones first saved: {'; '.join(wrong)}")
     return loaded
 
 
