@@ -47,8 +47,8 @@ def test_the_zoo_checks_each_plan_and_skips_what_it_cannot_build(project):
         "hfinkling2text-ep-dp2-fp32-ep_2-steps3-seed0": "pass",
         # its embeddings tied, as shipped: sharded and tied again in from_pretrained's order
         "hfgemma-tp-tp2-fp32-plain-steps3-seed0": "pass", "hfgemma-tp-tp4-fp32-plain-steps3-seed0": "pass",
-        # MoE from its fourth layer as shipped: the tiny config's OVERRIDES make its second layer sparse,
-        # so the ep cell dispatches tokens to experts (the planted test below: without them, a skip)
+        # MoE from its fourth layer as shipped: the shrink keeps one layer of each MLP kind, dense then
+        # sparse, so the ep cell dispatches tokens to experts (the planted test below: without, a skip)
         "hfstep3p5-tp-tp2-fp32-plain-steps3-seed0": "pass", "hfstep3p5-tp-tp4-fp32-plain-steps3-seed0": "pass",
         "hfstep3p5-ep-dp2-fp32-ep_2-steps3-seed0": "pass",
     }, verdicts
@@ -82,8 +82,9 @@ def test_a_known_bug_whose_cell_fails_another_way_a_lost_tie_and_a_wrong_load_ar
     same copy, the tied embeddings of a built model left untied after sharding (gemma ships them
     tied): red where the embedding's gradient misses the head's. hrm_text's loading bug no longer
     declared: its from_pretrained cell is red by the load check, naming which rows landed where. And
-    step3p5 without the override that makes a tiny layer sparse: its ep cell would run no expert, so
-    it skips saying so, and the report lists the expert entries as unexercised."""
+    step3p5 shrunk to its first two layers' MLP kinds, both dense (the shrink keeps one of each): its ep
+    cell would run no expert, so it skips saying so, and the report lists the expert entries as
+    unexercised."""
     pytest.importorskip("transformers", reason="pip install -e '.[thirdparty]'")
     tree = copy_checkout(tmp_path / "tree")
     source = tree / "harness" / "zoo" / "transformers.py"
@@ -97,9 +98,9 @@ def test_a_known_bug_whose_cell_fails_another_way_a_lost_tie_and_a_wrong_load_ar
     entry = 'KnownBug("hrm_text", ("tpauto",)'
     assert entry in source.read_text()
     source.write_text(source.read_text().replace(entry, 'KnownBug("undeclared", ("tpauto",)'))
-    sparse = '    "step3p5": {"mlp_layer_types": ["dense", "sparse"], "share_expert_dim": 16},\n'
+    sparse = '        sizes["mlp_layer_types"] = (kinds * count)[:count]\n'
     assert sparse in source.read_text()
-    source.write_text(source.read_text().replace(sparse, ""))
+    source.write_text(source.read_text().replace(sparse, "        pass  # planted: the first layers' kinds, all dense\n"))
     env = project.env(PYTHONPATH=os.pathsep.join([str(tree), str(project.path)]))
     done = project.harness("zoo", "transformers", "--only", "apertus,gemma,hrm_text,step3p5", "--plans", "tp,tpauto,ep",
                            "-n", "1", "--out", "out", env=env, timeout=900)

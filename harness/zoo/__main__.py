@@ -139,7 +139,7 @@ def annotate(found: list[dict], library: str) -> list[dict]:
     """Each row with its model's own name (``model``) and, where it did not pass, the command that
     reproduces it (``reproduce``)."""
     zoo = _zoo(library)
-    models = zoo.CONFIGS if library == "torchtitan" else zoo.architectures("tp")
+    models = zoo.CONFIGS if library == "torchtitan" else zoo.architectures()
     named = {zoo.name_of(m): m for m in models}
     for r in found:
         model = named.get(r["cell"].split("-")[0], r["cell"].split("-")[0])
@@ -184,7 +184,7 @@ def html(found: list[dict], versions: str, library: str = "transformers", unused
         _, impl, mesh = r["cell"].split("-")[:3]
         grid.setdefault(r.get("model") or r["cell"].split("-")[0], {})[f"{impl} {mesh}"] = r
     columns = sorted({c for by in grid.values() for c in by})
-    shipped_only = set(getattr(_zoo(library), "EXPERT_PLANS", ()))
+    shipped_only = set(getattr(_zoo(library), "PLANS", ())) if library == "transformers" else set()
     head = "".join(f"<th>{escape(c)}</th>" for c in columns)
     body = []
     for model in sorted(grid):
@@ -251,7 +251,7 @@ def run(args) -> int:
             print(f"python -m harness.zoo torchtitan: {error}", file=sys.stderr)
             return 2
     only = [m for m in args.only.split(",") if m]
-    plans = tuple(p for p in args.plans.split(",") if p) or zoo.PLANS
+    plans = tuple(p for p in args.plans.split(",") if p) or tuple(zoo.PLANS)
     meshes = tuple(m for given in getattr(args, "meshes", None) or [] for m in given.split(";") if m)
     try:  # meshes on which the models asked for run nothing: one line here, not a collection error in the run
         if meshes:

@@ -54,11 +54,13 @@ OVERRIDES: dict[str, dict] = {
     # name something
     "gemma4_text": {"vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 8, "global_head_dim": 8,
                     "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 16},
-    # MoE from the fourth layer (beam, step3p5) or the third (flint) as shipped: the tiny model's two
-    # layers were both dense, so their EP cells ran no expert; a dense layer, then a sparse one
-    "beam": {"mlp_layer_types": ["dense", "sparse"]},
-    "step3p5": {"mlp_layer_types": ["dense", "sparse"], "share_expert_dim": 16},
+    # MoE from the third layer as shipped: the tiny model's two layers were both dense, so its EP
+    # cells ran no expert; a dense layer, then a sparse one
     "flint": {"mlp_only_layers": [0]},
+    "step3p5": {"share_expert_dim": 16},
+    "zaya": {"num_experts_per_tok": 1},  # its only supported routing
+    # gemma4_text's MoE block, off by default
+    "diffusion_gemma_text": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 16},
     "deepseek_v4": {"head_dim": 8, "o_lora_rank": 16, "index_head_dim": 8, "index_topk": 4},
     "muse_spark_text": {"moe_hidden_size": 16},
     "granitemoehybrid": {"mamba_n_heads": 8, "mamba_d_head": 8},
@@ -168,11 +170,12 @@ KNOWN: tuple[KnownBug, ...] = (
                "embedding's partial sums before the style reduces them: DTensor cannot reduce a Partial there",
                r"in module (model\.)?embed_tokens\.embed_norm: AssertionError")
       for model_type in ("inkling_text", "muse_glimmer_text", "muse_spark_text")),
-    KnownBug("gemma4_text", ("ep",), ("5.23.0",),
+    *(KnownBug(model_type, ("ep",), ("5.23.0",),
              "crash: its EP plan also shards the dense MLP beside the experts (gate_proj and up_proj colwise, "
              "down_proj rowwise) over the ep ranks, which ep borrows from dp; apply_fully_sharded_data_parallelism "
              "then shards those DTensors again over dp, the same ranks, and fully_shard cannot compose the two",
-             r"RuntimeError: Cannot concatenate overlapping meshes: \[DeviceMesh\(\(dp=2\)"),
+             r"RuntimeError: Cannot concatenate overlapping meshes: \[DeviceMesh\(\(dp=2\)")
+      for model_type in ("gemma4_text", "diffusion_gemma_text")),
     KnownBug("llama4_text", ("tp", "tpauto"), ("5.23.0",),
              "crash: the MoE block adds the routed experts' output in place (out.add_) to the shared expert's "
              "output, a view _ToTorchTensor returns under autograd",
@@ -194,8 +197,9 @@ class Unbuildable(Exception):
     """An architecture the zoo cannot build tiny: the cell skips with this reason."""
 
 
-def architectures(plan: str = "tp") -> list[str]:
-    """The model types of the installed transformers whose config ships a ``base_model_<plan>_plan``."""
+def architectures(plan: str | None = None) -> list[str]:
+    """The model types of the installed transformers whose config ships a ``base_model_<plan>_plan``
+    (``plan`` None: a TP or an EP plan)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     found = []
@@ -204,9 +208,15 @@ def architectures(plan: str = "tp") -> list[str]:
             config_class = CONFIG_MAPPING[model_type]
         except Exception:  # noqa: BLE001  a config whose module cannot import (a missing extra)
             continue
-        if getattr(config_class, f"base_model_{plan}_plan", None):
+        if shipped(config_class) & ({plan} if plan else {"tp", "ep"}):
             found.append(model_type)
     return sorted(found)
+
+
+def shipped(config_class) -> set[str]:
+    """The parallel plans a config class ships: ``"tp"`` for a ``base_model_tp_plan``, ``"ep"`` for a
+    ``base_model_ep_plan``."""
+    return {plan for plan in ("tp", "ep") if getattr(config_class, f"base_model_{plan}_plan", None)}
 
 
 def tiny_config(model_type: str, layers: str = "kinds"):
@@ -238,6 +248,12 @@ def tiny_config(model_type: str, layers: str = "kinds"):
         kinds = list(dict.fromkeys(default.layer_types))
         kept = kinds if layers == "kinds" and len(kinds) > 1 else default.layer_types[:SIZES["num_hidden_layers"]]
         sizes |= {"layer_types": kept, "num_hidden_layers": len(kept)}
+    if isinstance(default.to_dict().get("mlp_layer_types"), list):
+        # dense and sparse MLPs per layer (MoE from the fourth layer, say): one layer of each kind, so
+        # that the plans' dense and expert entries both name a module of the tiny model
+        kinds = list(dict.fromkeys(default.mlp_layer_types))
+        count = sizes.get("num_hidden_layers", SIZES["num_hidden_layers"])
+        sizes["mlp_layer_types"] = (kinds * count)[:count]
     sizes |= OVERRIDES.get(model_type, {})
     try:
         return config_class(**sizes)
@@ -452,24 +468,26 @@ def version() -> str:
     return transformers.__version__
 
 
-PLANS = ("tp", "tpauto", "ep", "tpep")
-EXPERT_PLANS = ("ep", "tpep")  # cells only for architectures that ship an EP plan
+# each plan's cells, and the shipped plans they need: a square of one of them with no cell reads
+# "not shipped" in the report
+PLANS = {"tp": {"tp"}, "tpauto": {"tp"}, "ep": {"ep"}, "tpep": {"tp", "ep"}}
+EXPERT_PLANS = ("ep", "tpep")
 
 
-def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = PLANS):
-    """Register every architecture with a TP plan (``only``: these model types) and return its
-    cells: ``tp`` at tp=2 and tp=4, ``tpauto`` at tp=2, ``ep`` at dp=2 with ep=2, ``tpep`` at tp=2
-    with ep=2 (etp=1)."""
+def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = tuple(PLANS)):
+    """Register every architecture with a TP or an EP plan (``only``: these model types) and return
+    the cells of the plans it ships: ``tp`` at tp=2 and tp=4, ``tpauto`` at tp=2, ``ep`` at dp=2
+    with ep=2, ``tpep`` at tp=2 with ep=2 (etp=1)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     out, named = [], {}
-    for model_type in only or architectures("tp"):
+    for model_type in only or architectures():
         if name_of(model_type) in named:
             raise ValueError(f"{model_type!r} and {named[name_of(model_type)]!r} both name {name_of(model_type)!r}")
         named[name_of(model_type)] = model_type
-        experts = bool(getattr(CONFIG_MAPPING[model_type], "base_model_ep_plan", None))
-        impls = [p for p in plans if p not in EXPERT_PLANS or experts]
-        if "tp" in plans and any(k.fix for k in KNOWN if k.model_type == model_type):
+        ships = shipped(CONFIG_MAPPING[model_type])
+        impls = [p for p in plans if PLANS[p] <= ships]
+        if "tp" in impls and any(k.fix for k in KNOWN if k.model_type == model_type):
             impls.append("tpfixed")
         name = name_of(model_type)
         register_component(model_component(name, f"harness.zoo.transformers:case({model_type})", impls,
