@@ -103,16 +103,19 @@ def test_a_bug_planted_in_torchtitans_expert_parallel_combine_is_red_on_the_ep_c
     at = text.index(scores, text.index("class AllToAllTokenDispatcher"))
     dispatcher.write_text(text[:at] + scores.replace("N.reshape", "N.detach().reshape") + text[at + len(scores):])
     env = dict(env_for(tmp_path), PYTHONPATH=os.pathsep.join([str(planted), env_for(tmp_path)["PYTHONPATH"]]))
-    done = zoo(titan_python, tmp_path, "--only", "qwen3_moe", "--plans", "partial", "--meshes", "dp=2;dp=2,tp=2",
-               "-n", "1", "--out", "out", env=env)
+    # qwen3 MoE, and deepseek_v3 (multi-head latent attention, a dense first layer, a shared expert)
+    done = zoo(titan_python, tmp_path, "--only", "qwen3_moe,deepseek_v3", "--plans", "partial", "--meshes",
+               "dp=2;dp=2,tp=2", "-n", "1", "--out", "out", env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     found = {r["cell"]: r for r in json.loads((tmp_path / "out" / "zoo.json").read_text())["cells"]}
-    cell = "ttqwen3moe-partial-{}-fp32-ep_{}.sp_{}-steps3-seed0".format
-    assert {c: r["verdict"] for c, r in found.items()} == {
-        cell("dp2", 2, "off"): "red", cell("dp2.tp2", 2, "on"): "red",  # the plant
-        cell("dp2.tp2", 1, "on"): "pass", cell("dp2.tp2", 1, "off"): "pass",  # no all-to-all: right
-        cell("dp2.tp2", 2, "off"): "known"}, found  # torchtitan 0.3.0's own crash (KNOWN_EP_TP_SP_OFF)
-    for red in (cell("dp2", 2, "off"), cell("dp2.tp2", 2, "on")):
+    verdicts = {}
+    for model in ("qwen3moe", "deepseekv3"):
+        cell = f"tt{model}-partial-{{}}-fp32-ep_{{}}.sp_{{}}-steps3-seed0".format
+        verdicts |= {cell("dp2", 2, "off"): "red", cell("dp2.tp2", 2, "on"): "red",  # the plant
+                     cell("dp2.tp2", 1, "on"): "pass", cell("dp2.tp2", 1, "off"): "pass",  # no all-to-all: right
+                     cell("dp2.tp2", 2, "off"): "known"}  # torchtitan 0.3.0's own crash (KNOWN_EP_TP_SP_OFF)
+    assert {c: r["verdict"] for c, r in found.items()} == verdicts, found
+    for red in (c for c, v in verdicts.items() if v == "red"):
         assert found[red]["why"].startswith("first diverging module: layers.1.moe.router.gate (input gradient, "
                                             "step 1, microbatch 0), in the backward pass: every judged forward "
                                             "output matches"), found[red]

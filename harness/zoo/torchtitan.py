@@ -44,7 +44,7 @@ MESHES = ("dp=2", "tp=2", "dp=2,tp=2", "rep=2,dp=2", "rep=2,tp=2", "dp=4", "dp=2
 NOT_RUN = {
     "qwen3 (tied)": "tied embeddings need the trainer's order with the start loaded by name after "
                     "parallelize: parallelizing a built model unties them",
-    "deepseek_v3, kimi_k2_7": "not wired yet (qwen3 moe is: its experts, router and dispatchers are theirs too)",
+    "kimi_k2_7": "not wired yet (deepseek_v3 is: its attention, experts, router and dispatchers are theirs too)",
     "qwen3 moe, full_dtensor, rep=2,dp=2,tp=2 with ep=2": "its 8 ranks hang past the 300 s deadline on CPU/gloo "
                                                          "(partial_dtensor passes the same mesh); not triaged",
     "gpt_oss, qwen3_5": "their attention needs FlexAttention's sinks or a kernel with no CPU backward",
@@ -152,6 +152,32 @@ def _qwen3(moe: bool = False):
         layers=layers)
 
 
+def _deepseek_v3():
+    """deepseek_v3 as its debug model is made (multi-head latent attention without a q low-rank
+    projection, yarn rope, one dense layer, then MoE with a shared expert), tiny: a softmax router
+    over :data:`SIZES`' experts and top-k, the all-to-all dispatcher when ep > 1."""
+    from torchtitan.models import deepseek_v3
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+
+    s, rope = SIZES, 4
+    layers = deepseek_v3._build_dsv3_layers(
+        n_layers=s["layers"], n_dense_layers=1, dim=s["dim"], n_heads=s["heads"], q_lora_rank=0, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=rope, v_head_dim=8, mscale=0.70, dense_hidden_dim=2 * s["dim"],
+        moe_hidden_dim=s["dim"], num_experts=s["experts"], num_shared_experts=1, router_top_k=s["top_k"],
+        router_score_func="softmax", attn_backend="flex", moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(dim=rope, max_seq_len=64, theta=10000.0, scaling="yarn", rope_factor=40.0,
+                                beta_fast=32.0, beta_slow=1.0, original_seq_len=16))
+    return deepseek_v3.DeepSeekV3Model.Config(
+        vocab_size=s["vocab"], dim=s["dim"],
+        tok_embeddings=Embedding.Config(num_embeddings=s["vocab"], embedding_dim=s["dim"],
+                                        param_init=deepseek_v3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=s["dim"], param_init=deepseek_v3._NORM_INIT),
+        lm_head=Linear.Config(in_features=s["dim"], out_features=s["vocab"],
+                              param_init=deepseek_v3._output_linear_init(s["dim"])),
+        layers=layers, mtp_layers=[])
+
+
 def _experts_in_their_dtype(self, x_RD, num_tokens_per_expert_E):
     """torchtitan's ``GroupedExperts.forward`` without its hard-coded ``.bfloat16()`` casts: an fp32
     cell computes its experts in fp32 and the reference in fp64 (``_grouped_mm`` from its fp32 kernel,
@@ -165,8 +191,8 @@ def _experts_in_their_dtype(self, x_RD, num_tokens_per_expert_E):
     return self._grouped_mm(A=h, B_t=w2.transpose(-2, -1), offs=offsets)
 
 
-CONFIGS = {"llama3": _llama3, "qwen3": _qwen3, "qwen3_moe": lambda: _qwen3(moe=True)}
-MOE = ("qwen3_moe",)
+CONFIGS = {"llama3": _llama3, "qwen3": _qwen3, "qwen3_moe": lambda: _qwen3(moe=True), "deepseek_v3": _deepseek_v3}
+MOE = ("qwen3_moe", "deepseek_v3")
 EXPERT_DEGREES = ("1", "2", "4")
 # the MoE models' meshes: (dense mesh, ep, backends that cannot run it here: NOT_RUN says why), ep
 # borrowed from dp_shard and tp as torchtitan's ParallelDims borrows it (efsdp = dp * tp / ep)
