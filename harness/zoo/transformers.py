@@ -25,6 +25,7 @@ import functools
 import inspect
 import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -350,23 +351,39 @@ def _built(model_type: str, config) -> torch.nn.Module:
     return model
 
 
+class _Tried(NamedTuple):
+    """What the parent learns from building an architecture tiny once (:func:`_tried`)."""
+
+    unbuilt: str | None  # why it is not built, or does not run on one process; None when it does
+    names: tuple[str, ...]  # its modules' and parameters' names (none when not built)
+    plans: dict[str, dict]  # "tp", "ep" -> the built model's ``_tp_plan``, ``_ep_plan``
+
+
 @functools.cache
-def unbuilt(model_type: str) -> str | None:
-    """Why the zoo cannot build ``model_type`` tiny (:class:`Unbuildable`) or run it on one process,
-    or None: built once per process, in the parent, before any rank is asked to."""
+def _tried(model_type: str) -> _Tried:
+    """The architecture built tiny and run on one process, once per process, in the parent, before
+    any rank is asked to; what :func:`unbuilt` and :func:`unexercised` read from it (the model is
+    not kept)."""
     try:
         model = build_tiny(model_type)
     except Unbuildable as error:
-        return str(error)
+        return _Tried(str(error), (), {})
+    names = tuple(n for n, _ in model.named_modules()) + tuple(n for n, _ in model.named_parameters())
+    plans = {plan: dict(getattr(model, attr, None) or {}) for plan, attr in (("tp", "_tp_plan"), ("ep", "_ep_plan"))}
     try:
         forward(model, llama_hf.batch(0))
     except Exception as error:  # noqa: BLE001  the shrink's doing, or the architecture's: no plan's
         first = (str(error).splitlines() or [""])[0]
-        return f"the tiny model does not run on one process: {type(error).__name__}: {first}"
-    return None
+        return _Tried(f"the tiny model does not run on one process: {type(error).__name__}: {first}", names, plans)
+    return _Tried(None, names, plans)
 
 
-@functools.cache
+def unbuilt(model_type: str) -> str | None:
+    """Why the zoo cannot build ``model_type`` tiny (:class:`Unbuildable`) or run it on one process,
+    or None."""
+    return _tried(model_type).unbuilt
+
+
 def unexercised(model_type: str) -> dict[str, list[str]]:
     """The entries of the architecture's TP and EP plans (``_tp_plan``, ``_ep_plan`` of the model it
     builds, by plan) that name no module or parameter of its tiny build: what the tiny config turns
@@ -377,16 +394,10 @@ def unexercised(model_type: str) -> dict[str, list[str]]:
 
     if model_type not in CONFIG_MAPPING:
         return {}
-    try:
-        model = build_tiny(model_type)
-    except Unbuildable:
-        return {}
-    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
-    missed = {}
-    for plan, attr in (("tp", "_tp_plan"), ("ep", "_ep_plan")):
-        entries = getattr(model, attr, None) or {}
+    tried, missed = _tried(model_type), {}
+    for plan, entries in tried.plans.items():
         patterns = {e: re.compile(re.escape(e).replace(r"\*", r"\d+")) for e in entries}
-        if unmatched := [e for e, pattern in patterns.items() if not any(pattern.fullmatch(n) for n in names)]:
+        if unmatched := [e for e, pattern in patterns.items() if not any(pattern.fullmatch(n) for n in tried.names)]:
             missed[plan] = unmatched
     return missed
 
@@ -439,7 +450,7 @@ def case(model_type: str) -> ModelCase:
     config_class = CONFIG_MAPPING[model_type]
     parallelize = {"tp": llama_hf.tp, "tpauto": pretrained_hf.parallelize}
     supports = {"tp": _tp_only, "tpauto": _tp_only}
-    if getattr(config_class, "base_model_ep_plan", None):
+    if "ep" in shipped(config_class):
         parallelize |= {"ep": qwen3moe_hf.ep, "tpep": tp_and_ep}
         supports |= {"ep": qwen3moe_hf._ep_fits, "tpep": _tp_only}
     xfail = {}
