@@ -19,6 +19,7 @@ and smaller mesh dims, the simplest switch values, fp32, small sizes, seed 0.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 from hypothesis import strategies as st
@@ -90,24 +91,16 @@ def sizes(draw, ranges: dict[str, tuple[int, int]], mesh: tuple[tuple[str, int],
 
 def every_mesh(dims: tuple[str, ...], pool_size: int, ordered: bool = False,
                one_rank: bool = False) -> list[tuple[tuple[str, int], ...]]:
-    """Every mesh :func:`meshes` can draw, simplest first (fewer dims, fewer ranks)."""
-    import itertools
-
+    """Every mesh :func:`meshes` can draw, simplest first (fewer dims, fewer ranks): its rules, the
+    first dim's least degree and a later dim's 2, with the degrees' product within the pool."""
     found = set()
     for count in range(1, min(3, len(dims)) + 1):
+        least = 1 if one_rank or count > 1 or pool_size < 2 else 2
+        most = max(least, pool_size)
         for names in (itertools.combinations if ordered else itertools.permutations)(dims, count):
-            least = 1 if one_rank or count > 1 or pool_size < 2 else 2
-
-            def grow(mesh: tuple, room: int):
-                i = len(mesh)
-                if i == count:
-                    found.add(mesh)
-                    return
-                for degree in range(least if not i else 2, max(least, room) + 1):
-                    if degree <= room or (not i and degree == least):
-                        grow(mesh + ((names[i], degree),), room // degree)
-
-            grow((), pool_size)
+            for degrees in itertools.product(range(least, most + 1), *[range(2, most + 1)] * (count - 1)):
+                if math.prod(degrees) <= most:
+                    found.add(tuple(zip(names, degrees)))
     return sorted(found, key=lambda m: (len(m), math.prod(d for _, d in m), [dims.index(n) for n, _ in m],
                                         [d for _, d in m]))
 
