@@ -112,18 +112,27 @@ def _sdpa(config):
     return config
 
 
+def _ends(family) -> dict:
+    """The embedding, final norm and output head of a tiny model of a torchtitan family (its module)
+    that initialises them as llama3 does (``_EMBEDDING_INIT``, ``_NORM_INIT``, ``_output_linear_init``)."""
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+
+    s = SIZES
+    return dict(dim=s["dim"], vocab_size=s["vocab"],
+                tok_embeddings=Embedding.Config(num_embeddings=s["vocab"], embedding_dim=s["dim"],
+                                                param_init=family._EMBEDDING_INIT),
+                norm=RMSNorm.Config(normalized_shape=s["dim"], param_init=family._NORM_INIT),
+                lm_head=Linear.Config(in_features=s["dim"], out_features=s["vocab"],
+                                      param_init=family._output_linear_init(s["dim"])))
+
+
 def _llama3():
     from torchtitan.models import llama3
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+    from torchtitan.models.common import ComplexRoPE, compute_ffn_hidden_dim
 
     s = SIZES
     return llama3.Llama3Model.Config(
-        dim=s["dim"], vocab_size=s["vocab"],
-        tok_embeddings=Embedding.Config(num_embeddings=s["vocab"], embedding_dim=s["dim"],
-                                        param_init=llama3._EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=s["dim"], param_init=llama3._NORM_INIT),
-        lm_head=Linear.Config(in_features=s["dim"], out_features=s["vocab"],
-                              param_init=llama3._output_linear_init(s["dim"])),
+        **_ends(llama3),
         layers=llama3._build_llama3_layers(
             fuse_qkv=True, n_layers=s["layers"], dim=s["dim"], n_heads=s["heads"], n_kv_heads=s["kv_heads"],
             hidden_dim=compute_ffn_hidden_dim(s["dim"], multiple_of=16),
@@ -157,7 +166,7 @@ def _deepseek_v3():
     projection, yarn rope, one dense layer, then MoE with a shared expert), tiny: a softmax router
     over :data:`SIZES`' experts and top-k, the all-to-all dispatcher when ep > 1."""
     from torchtitan.models import deepseek_v3
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common import ComplexRoPE
 
     s, rope = SIZES, 4
     layers = deepseek_v3._build_dsv3_layers(
@@ -168,14 +177,7 @@ def _deepseek_v3():
         non_blocking_capacity_factor=None,
         rope=ComplexRoPE.Config(dim=rope, max_seq_len=64, theta=10000.0, scaling="yarn", rope_factor=40.0,
                                 beta_fast=32.0, beta_slow=1.0, original_seq_len=16))
-    return deepseek_v3.DeepSeekV3Model.Config(
-        vocab_size=s["vocab"], dim=s["dim"],
-        tok_embeddings=Embedding.Config(num_embeddings=s["vocab"], embedding_dim=s["dim"],
-                                        param_init=deepseek_v3._EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=s["dim"], param_init=deepseek_v3._NORM_INIT),
-        lm_head=Linear.Config(in_features=s["dim"], out_features=s["vocab"],
-                              param_init=deepseek_v3._output_linear_init(s["dim"])),
-        layers=layers, mtp_layers=[])
+    return deepseek_v3.DeepSeekV3Model.Config(**_ends(deepseek_v3), layers=layers, mtp_layers=[])
 
 
 def _experts_in_their_dtype(self, x_RD, num_tokens_per_expert_E):
