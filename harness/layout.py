@@ -16,9 +16,14 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported by the functions that handle tensors, not with the module: the registry reads
+# mesh declarations here in every pytest run, most of which (``--help``, a usage error, a project's
+# other tests) never touch a tensor
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class MeshLayout:
     def build(self, device_type: str, world: int) -> "torch.distributed.device_mesh.DeviceMesh":
         """Its ``DeviceMesh`` over the first ranks of a world of ``world`` (collective: every rank of
         the default group calls it, those outside the mesh included)."""
+        import torch
         from torch.distributed.device_mesh import DeviceMesh
 
         return DeviceMesh(device_type, torch.arange(self.world).view(self.shape), mesh_dim_names=self.names)
@@ -176,6 +182,8 @@ def chunk_bounds(size: int, n: int, i: int) -> tuple[int, int]:
 
 def shard_indices(index: torch.Tensor, shard: Shard, n: int, c: int) -> torch.Tensor:
     """The entries of a 1-D index vector that coordinate ``c`` of ``n`` holds under ``shard``."""
+    import torch
+
     if shard.on:
         return index if c in {k % n for k in shard.on} else index[:0]
     if shard.inner:
@@ -215,11 +223,15 @@ class Piece:
 
 def grid(index: list[torch.Tensor]) -> tuple:
     """Advanced-indexing key for the cross product of per-dim indices (``()`` for a 0-dim tensor)."""
+    import torch
+
     return torch.meshgrid(*index, indexing="ij") if index else ()
 
 
 def piece_index(piece: Piece, layout: MeshLayout, rank: int) -> list[torch.Tensor]:
     """Per tensor dim, the logical indices that ``rank``'s piece covers (nested shards apply in mesh order)."""
+    import torch
+
     index = [torch.arange(s) for s in piece.shape]
     coords = layout.coords(rank)
     for name, n, c in zip(layout.names, layout.shape, coords):
@@ -248,6 +260,8 @@ def assemble(name: str, pieces: dict[int, Piece], layout: MeshLayout, *, every_r
 
     ``every_rank=False``: only some ranks hold pieces (a pipeline stage's activations, an expert's
     tokens); together they must still cover the whole tensor."""
+    import torch
+
     missing = [r for r in range(layout.world) if r not in pieces]
     if missing and every_rank:
         raise AssemblyError(f"{name}: ranks {missing} returned no piece")
@@ -292,6 +306,8 @@ def summed_over(pieces: dict[int, Piece], layout: MeshLayout, name: str, op: str
     never reduced): every group of ``name`` summed (in fp64, then the pieces' dtype), held by its first
     rank; ``op="mean"``: averaged, what a data-parallel gradient reduction makes of per-rank gradients.
     A group that lacks a rank's piece, or whose pieces differ in shape or placements, gives none."""
+    import torch
+
     out = {}
     for group in layout.groups(name):
         held = [pieces.get(r) for r in group]
@@ -305,6 +321,8 @@ def summed_over(pieces: dict[int, Piece], layout: MeshLayout, name: str, op: str
 
 def take(tensor: torch.Tensor, shard: Shard | None, n: int, c: int) -> torch.Tensor:
     """Coordinate ``c`` of ``n``'s part of a full tensor (a copy of it when ``shard`` is None)."""
+    import torch
+
     if shard is None or n == 1:
         return tensor.clone()
     index = shard_indices(torch.arange(tensor.shape[shard.dim]), shard, n, c)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from .pool.parent import DEFAULT_DEADLINE, DEFAULT_SIZE
+from .pool.defaults import DEFAULT_DEADLINE, DEFAULT_SIZE
 
 
 def _seconds(option: str):
@@ -81,10 +81,10 @@ def check_options(config) -> None:
     deadline = opt("--case-deadline")
     if not deadline > 0:
         raise usage("--case-deadline", deadline, "must be a positive number of seconds, e.g. --case-deadline 30")
-    from .pool.backend import resolve
+    from .pool.backend import check
 
     try:
-        resolve(opt("--backend"))
+        check(opt("--backend"))
     except ValueError as error:
         raise usage("--backend", opt("--backend"), str(error)) from None
     from .matrix import FULL_ENV

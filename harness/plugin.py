@@ -16,7 +16,6 @@ import pytest
 
 from . import selection
 from .options import add_options, check_options, keep_seconds, usage
-from .pool.parent import shared_pool
 from .screen import Alike
 from .summary import Summary
 from .torchrun.plugin import TorchrunPlugin, launched_by_torchrun, runner_of
@@ -166,6 +165,8 @@ def _ranks_needed(cfgs, most: int) -> int:
 
 def _pool(config, size: int | None = None, preload: tuple[str, ...] | None = None,
           alone_preload: tuple[str, ...] | None = None):
+    from .pool.parent import shared_pool  # torch: only once a cell needs the pool
+
     opt = config.getoption
     return shared_pool(size=size or opt("--pool-size"), backend=opt("--backend"), deadline=opt("--case-deadline"),
                        preload=preload, keep=config.stash[_KEEP], root=str(config.rootpath),

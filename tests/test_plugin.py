@@ -137,6 +137,18 @@ def test_a_bad_option_value_is_one_line_and_a_usage_error(project, args, message
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
 
 
+def test_a_project_whose_tests_use_no_cell_does_not_import_torch(user_project):
+    """Installed, the plugin loads in every pytest run of the environment: one whose tests run no cell
+    (a project's other tests, ``--help``, a bad option) must not pay torch's import (1.4 s of 2 s)."""
+    user_project.write({"test_plain.py": "def test_plain():\n    assert True\n"})
+    for args in ([], ["--help"], ["--backend", "mpi"]):
+        done = user_project.run("python", "-X", "importtime", "-m", "pytest", "-p", "no:cacheprovider", *args)
+        assert done.returncode in (0, 4), done.tail
+        imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+        # harness.options: the plugin loaded (pytest's assertion rewriter imports the plugin module itself unlogged)
+        assert "harness.options" in imported and "torch" not in imported, (args, sorted(m for m in imported if "harness" in m))
+
+
 def test_an_implementation_that_does_not_import_fails_once_at_collection_naming_the_path(project):
     project.makeconftest('''
 from harness.registry import register_implementation

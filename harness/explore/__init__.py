@@ -9,5 +9,15 @@ reproduces it and the line that adds it to the matrix. Hypothesis's example data
 replays it first until it passes. Implementations registered in the ``conftest.py`` files of the
 directory it runs from are explored too, as bisect does.
 """
-from .runner import Budget, Exploration, explore  # noqa: F401
-from .strategies import configs  # noqa: F401
+def __getattr__(name: str):
+    """The search's names, imported on first use: ``python -m harness.explore --help`` answers
+    without importing torch and hypothesis."""
+    if name in ("Budget", "Exploration", "explore"):
+        from . import runner
+
+        return getattr(runner, name)
+    if name == "configs":
+        from .strategies import configs
+
+        return configs
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,12 +6,14 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError
+from ..pool.defaults import DEFAULT_DEADLINE, DEFAULT_SIZE
 from ..pool.kept import KeptPoolError, idle_from_env
-from ..pool.parent import DEFAULT_DEADLINE, DEFAULT_SIZE, shared_pool
 from ..project import Project, load
 from ..registry import COMPONENTS, get
 from . import __doc__ as DOC
-from .runner import DATABASE, Budget, Exploration, explore, write_result
+
+# the pool and the search (torch, hypothesis) are imported once the command line has been checked:
+# --help and a usage error answer at once
 
 EXIT = {"nothing": 0, "found": 1, "usage": 2}
 EPILOG = """exit codes:
@@ -91,6 +93,9 @@ def main(argv=None) -> int:
         keep = idle_from_env()  # PARITYTEST_KEEP_POOL: the project's kept pool, as pytest's
     except (ConfigError, KeptPoolError) as error:
         return _usage(str(error))
+    from ..pool.parent import shared_pool
+    from .runner import DATABASE, Budget, Exploration, explore, write_result
+
     db_path = project.rootdir / DATABASE if args.database is None else None if args.database == "none" else Path(args.database)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

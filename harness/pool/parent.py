@@ -30,10 +30,9 @@ from typing import Any
 
 from ..layout import MeshLayout, declared
 from . import pooldir, wire
+from .defaults import DEFAULT_DEADLINE, DEFAULT_SIZE
 from .backend import resolve as resolve_backend
 
-DEFAULT_SIZE = 8
-DEFAULT_DEADLINE = 30.0
 # How long the other ranks get to finish once one rank has raised or died: past it they are stuck.
 FAILURE_GRACE = 2.0
 # How long the zygote gets to end its pool itself (kill and reap its ranks, remove the directory)
