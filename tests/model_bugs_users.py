@@ -12,7 +12,13 @@ each a mistake made in the user's own code, through the framework's own API, nev
   ``fp32_ops``: its ``grouped_mm`` experts have no fp64 kernel for the reference;
 * ``SAVEDSWAPPED``: ``harness/examples/pretrained_hf.py`` with a user's model class whose
   ``save_pretrained`` of a sharded model writes the first query projection's two tp shards in the
-  wrong order (as a gather that puts rank 1's rows first): it loads right and saves wrong.
+  wrong order (as a gather that puts rank 1's rows first): it loads right and saves wrong;
+* ``CONVERTERSWAPPED``: a tiny model family of the user's own, ``FusedMLPLlamaForCausalLM``, whose
+  checkpoints hold each MLP's gate and up projections as one fused ``gate_up_proj`` (the converter
+  registered with transformers' ``register_checkpoint_conversion_mapping``: a ``Chunk`` on load, its
+  reverse, a ``Concatenate``, on save), its TP plan the attention's; the load's split takes the two
+  halves in the wrong order (written for a checkpoint that fuses up before gate): every MLP loads
+  gate's rows as up's and up's as gate's.
 """
 import dataclasses
 
@@ -81,3 +87,35 @@ def shards_saved_swapped():
 
 
 SAVEDSWAPPED = dataclasses.replace(LOSSWORLD, build=shards_saved_swapped, loss=pretrained_hf.loss)
+
+
+def converter_swapped():
+    """A tiny model of the fused-MLP family (``CONVERTERSWAPPED``); its converter is registered once
+    per process, by class name, as a family's own module registers it on import."""
+    from transformers.conversion_mapping import (USER_REGISTERED_MAPPINGS, register_checkpoint_conversion_mapping)
+    from transformers.core_model_loading import Chunk, WeightConverter
+
+    from harness.examples.hf import LlamaConfig, LlamaForCausalLM
+
+    class SplitGateUp(Chunk):
+        """The fused rows into gate and up: the halves in the wrong order (the planted bug)."""
+
+        def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+            out = super().convert(input_dict, source_patterns, target_patterns, **kwargs)
+            return dict(zip(out, reversed(list(out.values()))))
+
+    class FusedMLPLlamaConfig(LlamaConfig):
+        # the attention's TP plan: the fused MLP stays whole on every rank, so the load splits it alone
+        base_model_tp_plan = {k: v for k, v in LlamaConfig.base_model_tp_plan.items() if ".mlp." not in k}
+
+    class FusedMLPLlamaForCausalLM(LlamaForCausalLM):
+        config_class = FusedMLPLlamaConfig
+
+    if "FusedMLPLlamaForCausalLM" not in USER_REGISTERED_MAPPINGS:
+        register_checkpoint_conversion_mapping("FusedMLPLlamaForCausalLM", [WeightConverter(
+            source_patterns="mlp.gate_up_proj.weight", target_patterns=["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+            operations=[SplitGateUp(dim=0)])])
+    return FusedMLPLlamaForCausalLM(FusedMLPLlamaConfig(**pretrained_hf.config().to_dict()))
+
+
+CONVERTERSWAPPED = dataclasses.replace(SAVEDSWAPPED, build=converter_swapped)

@@ -44,6 +44,7 @@ CONFTEST = textwrap.dedent('''\
     register_model("lossworld", "tests.model_bugs_users:LOSSWORLD")
     register_model("nofp64", "tests.model_bugs_users:NOFP64")
     register_model("savedswapped", "tests.model_bugs_users:SAVEDSWAPPED")
+    register_model("converterswapped", "tests.model_bugs_users:CONVERTERSWAPPED")
     ''')
 TEST = textwrap.dedent('''\
     import pytest
@@ -56,7 +57,8 @@ TEST = textwrap.dedent('''\
              + model_cells("worldshard", meshes=["dp=2,tp=2"])
              + model_cells("lossworld", meshes=["tp=2"])
              + model_cells("nofp64", meshes=["dp=2"], switches={"ep": ["2"]})
-             + model_cells("savedswapped", meshes=["tp=2"]))
+             + model_cells("savedswapped", meshes=["tp=2"])
+             + model_cells("converterswapped", meshes=["tp=2"]))
 
 
     @pytest.mark.parametrize("cfg", CELLS, ids=str)
@@ -69,7 +71,8 @@ IDS = {"pretrained": "mypretrained-auto-tp2-fp32-plain-steps3-seed0",
        "worldshard": "worldshard-worldshard-dp2.tp2-fp32-plain-steps3-seed0",
        "lossworld": "lossworld-auto-tp2-fp32-plain-steps3-seed0",
        "nofp64": "nofp64-ep-dp2-fp32-ep_2-steps3-seed0",
-       "savedswapped": "savedswapped-auto-tp2-fp32-plain-steps3-seed0"}
+       "savedswapped": "savedswapped-auto-tp2-fp32-plain-steps3-seed0",
+       "converterswapped": "converterswapped-auto-tp2-fp32-plain-steps3-seed0"}
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +150,13 @@ def test_a_model_that_loads_right_and_saves_its_shards_swapped_is_red_by_the_rou
     assert ("LoadMismatch: the round trip: save_pretrained of the model from_pretrained loaded, loaded again on one "
             "process, holds 1 parameter(s) other than the ones first saved: model.layers.0.self_attn.q_proj.weight: "
             "rows 0-7 hold saved rows 8-15, rows 8-15 hold saved rows 0-7") in text, text[-4000:]
+
+
+def test_a_family_whose_converter_swaps_a_fused_tensors_rows_is_red_by_the_load_check_before_any_step(run):
+    assert outcome(run, "converterswapped") == "FAILED"
+    text = flat(failure(run, "converterswapped"))
+    assert ("LoadMismatch: from_pretrained loaded 4 parameter(s) other than save_pretrained was given (each gathered "
+            "with full_tensor()): model.layers.0.mlp.gate_proj.weight: rows 0-31 hold model.layers.0.mlp.up_proj.weight's "
+            "rows 0-31; model.layers.0.mlp.up_proj.weight: rows 0-31 hold model.layers.0.mlp.gate_proj.weight's "
+            "rows 0-31; model.layers.1.mlp.gate_proj.weight") in text, text[-4000:]
+    assert "diverges from the reference" not in text  # the load check, before the first step: no table
