@@ -46,7 +46,7 @@ def test_qwen3_under_its_own_parallelize_is_green_on_both_backends_with_sp_on_an
     found = json.loads((tmp_path / "out" / "zoo.json").read_text())
     assert found["library"] == "torchtitan" and found["torchtitan"] == VERSION, found
     verdicts = {r["cell"]: r["verdict"] for r in found["cells"]}
-    assert verdicts == {f"ttqwen3-{impl}-dp2.tp2-fp32-sp_{sp}-steps3-seed0": "pass"
+    assert verdicts == {f"ttqwen3-{impl}-dp2.tp2-fp32-sched_1f1b.sp_{sp}-steps3-seed0": "pass"
                         for impl in ("partial", "full") for sp in ("on", "off")}, found["cells"]
     assert (tmp_path / "out" / "zoo.md").read_text().startswith(f"# torchtitan zoo (torchtitan {VERSION}, torch ")
 
@@ -55,7 +55,7 @@ TEST = '''
 import pytest
 from harness.zoo.torchtitan import zoo_cells
 
-CELLS = zoo_cells(only=["llama3"], plans=("partial",), meshes=("dp=2", "tp=2"))
+CELLS = zoo_cells(only=["llama3"], plans=("partial",), meshes=("dp=2", "tp=2", "pp=2"))
 
 
 @pytest.mark.parametrize("cfg", CELLS, ids=str)
@@ -64,8 +64,10 @@ def test_zoo(cfg, parity):
 '''
 
 
-def test_a_bug_planted_in_torchtitan_is_red_where_fsdp_reduces(titan_python, tmp_path):
-    # a copy of the installed torchtitan, first on the path, with FSDP's division left on: gradients 1/dp
+def test_bugs_planted_in_torchtitan_are_red_where_fsdp_reduces_and_where_1f1b_pipelines(titan_python, tmp_path):
+    # a copy of the installed torchtitan, first on the path, with FSDP's division left on (gradients 1/dp),
+    # and the single-stage schedules (1F1B) dividing the gradients by the microbatches again, though each
+    # microbatch's loss is already its share of the global mean (the looped ones, Interleaved1F1B, right)
     installed = subprocess.run([str(titan_python), "-c", "import torchtitan, os; print(os.path.dirname(torchtitan.__file__))"],
                                capture_output=True, text=True, check=True).stdout.strip()
     planted = tmp_path / "planted"
@@ -74,6 +76,11 @@ def test_a_bug_planted_in_torchtitan_is_red_where_fsdp_reduces(titan_python, tmp
     text = fsdp.read_text()
     assert "module.set_gradient_divide_factor(1.0)" in text
     fsdp.write_text(text.replace("module.set_gradient_divide_factor(1.0)", "pass  # planted", 1))
+    pipeline = planted / "torchtitan" / "distributed" / "pipeline_parallel.py"
+    text = pipeline.read_text()
+    single = text.index("schedule = schedule_class(\n            stages[0],")
+    at = text.index("scale_grads=False", single)
+    pipeline.write_text(text[:at] + "scale_grads=True" + text[at + len("scale_grads=False"):])
     project = tmp_path / "project"
     project.mkdir()
     (project / "test_zoo.py").write_text(TEST)
@@ -82,11 +89,12 @@ def test_a_bug_planted_in_torchtitan_is_red_where_fsdp_reduces(titan_python, tmp
     done = subprocess.run([str(titan_python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf"], cwd=project,
                           env=env, capture_output=True, text=True, timeout=600)
     out = done.stdout
-    # dp=2 runs sp_off alone (SP acts with tp only), tp=2 both
-    assert done.returncode == 1 and "1 failed, 2 passed" in out, out[-5000:] + done.stderr[-2000:]
+    # dp=2 runs sp_off alone (SP acts with tp only), tp=2 both, pp=2 each schedule
+    assert done.returncode == 1 and "2 failed, 3 passed" in out, out[-5000:] + done.stderr[-2000:]
     # the FAILED lines' node ids (a line may repeat its id in its message: CI's terminal is wider)
-    failed = [line.split()[1] for line in out.split("short test summary")[1].splitlines() if line.startswith("FAILED")]
-    assert len(failed) == 1 and "ttllama3-partial-dp2-fp32-sp_off-" in failed[0], failed
+    failed = sorted(line.split()[1] for line in out.split("short test summary")[1].splitlines() if line.startswith("FAILED"))
+    assert len(failed) == 2 and "ttllama3-partial-dp2-fp32-sched_1f1b.sp_off-" in failed[0], failed
+    assert "ttllama3-partial-pp2-fp32-sched_1f1b.sp_off-" in failed[1], failed
     assert "first diverging module: lm_head (parameter gradients, step 1)" in out and "1/dp" in out, out[-5000:]
 
 
@@ -125,7 +133,7 @@ def test_meshes_the_zoo_does_not_run_are_one_line_and_a_repeated_option_adds(tit
     done = zoo(titan_python, tmp_path, "--only", "qwen3_moe", "--meshes", "dp=8", "--meshes", "dp=3;tp=8")
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip() == ("python -m harness.zoo torchtitan: no cell of qwen3_moe on dp=8; dp=3; tp=8: the "
-                                   "MoE models run dp=2; dp=2,tp=2; dp=4; rep=2,dp=2; rep=2,dp=2,tp=2; tp=2"), done.stderr
+                                   "MoE models run dp=2; dp=2,tp=2; dp=4; pp=2,dp=2; rep=2,dp=2; rep=2,dp=2,tp=2; tp=2"), done.stderr
     assert not (tmp_path / "zoo-out").exists()
 
 

@@ -5,7 +5,9 @@ Each cell runs what torchtitan's trainer runs, in its order: the model's config 
 layer builder, shrunk (:data:`SIZES`), updated from the job's ``ParallelismConfig`` (the cell's
 degrees, its implementation's SPMD backend, sequence parallel as its ``sp`` switch), built on meta,
 ``to_empty`` and ``init_weights``; then the registry's ``parallelize_fn`` over torchtitan's own
-``ParallelDims`` (its ``build_mesh`` over the cell's world); inputs and labels as
+``ParallelDims`` (its ``build_mesh`` over the cell's world), or on a pp mesh its ``pipelining_fn``
+(the stages split from the model, each parallelized, and the schedule the cell's ``sched`` switch
+names, handed to the harness as :class:`harness.model.Pipelined`); inputs and labels as
 ``Trainer.forward_backward_step`` hands them over; torchtitan's ``cross_entropy_loss`` (a sum) over
 the global token count, the ranks' losses and gradients summed (``ModelCase(loss_reduction="sum")``).
 
@@ -31,7 +33,7 @@ from importlib.util import find_spec
 import torch
 
 from harness.known import Known
-from harness.model import ModelCase, model_cells, running, switches
+from harness.model import ModelCase, Pipelined, model_cells, running, switches
 from harness.model.register import model_component
 from harness.registry import register_component
 
@@ -39,7 +41,10 @@ VERSION = "0.3.0"  # the release the shims and tiny configs are written against
 INSTALL = f"pip install -e '.[torchtitan]' && pip install --no-deps torchtitan=={VERSION}"
 SIZES = dict(vocab=64, dim=64, heads=8, kv_heads=4, layers=2, batch=8, seq=8, experts=4, top_k=2)
 BACKENDS = {"partial": "partial_dtensor", "full": "full_dtensor"}
-MESHES = ("dp=2", "tp=2", "dp=2,tp=2", "rep=2,dp=2", "rep=2,tp=2", "dp=4", "dp=2,tp=4", "rep=2,dp=2,tp=2")
+# the pipeline schedules a pp cell runs (its ``sched`` switch): torchtitan's names for them
+SCHEDULES = {"1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
+MESHES = ("dp=2", "tp=2", "dp=2,tp=2", "rep=2,dp=2", "rep=2,tp=2", "dp=4", "dp=2,tp=4", "rep=2,dp=2,tp=2",
+          "pp=2", "pp=2,dp=2", "pp=2,tp=2")
 # registry models the zoo cannot run here, with why (every other model of the registry is built below)
 NOT_RUN = {
     "qwen3 (tied)": "tied embeddings need the trainer's order with the start loaded by name after "
@@ -49,6 +54,9 @@ NOT_RUN = {
                                                          "(partial_dtensor passes the same mesh); not triaged",
     "gpt_oss, qwen3_5": "their attention needs FlexAttention's sinks or a kernel with no CPU backward",
     "flux, muse_glimmer": "not token-id language models",
+    "pp meshes, full_dtensor": "its first stage takes the inputs as the DTensors the trainer's "
+                               "post_dataloading_process makes; a harness.model.Pipelined schedule is handed "
+                               "the plain batch",
 }
 
 
@@ -199,7 +207,8 @@ EXPERT_DEGREES = ("1", "2", "4")
 # the MoE models' meshes: (dense mesh, ep, backends that cannot run it here: NOT_RUN says why), ep
 # borrowed from dp_shard and tp as torchtitan's ParallelDims borrows it (efsdp = dp * tp / ep)
 MOE_MESHES = (("dp=2", "2", ()), ("dp=4", "4", ()), ("dp=4", "2", ()), ("dp=2,tp=2", "1", ()), ("dp=2,tp=2", "2", ()),
-              ("tp=2", "2", ()), ("rep=2,dp=2", "2", ()), ("rep=2,dp=2,tp=2", "2", ("full",)))
+              ("tp=2", "2", ()), ("rep=2,dp=2", "2", ()), ("rep=2,dp=2,tp=2", "2", ("full",)),
+              ("pp=2,dp=2", "2", ("full",)))
 # torchtitan bugs the zoo found, by the releases that have them: their cells run as strict xfails
 # held to the line the crash shows, so a release that fixes one turns them into XPASS, reported as
 # ``fixed``, and one that fails them otherwise into a crash that says so
@@ -235,10 +244,20 @@ def _parallelism():
                              data_parallel_shard_degree=cell.mesh.get("dp", 1),
                              tensor_parallel_degree=cell.mesh.get("tp", 1), spmd_backend=backend,
                              enable_sequence_parallel=switches()["sp"] == "on",
-                             expert_parallel_degree=int(cell.switches.get("ep", 1)))
+                             expert_parallel_degree=int(cell.switches.get("ep", 1)),
+                             pipeline_parallel_degree=cell.mesh.get("pp", 1),
+                             pipeline_parallel_schedule=SCHEDULES[switches().get("sched", "1f1b")],
+                             pipeline_parallel_microbatch_size=1)
 
 
 _DIMS: dict[str, object] = {}  # this rank's ParallelDims once parallelize made them (the reference has none)
+
+
+def _config(model: str, parallelism):
+    """The model's tiny config as the trainer makes it for the job's ``parallelism``."""
+    config = _sdpa(CONFIGS[model]())
+    config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
+    return config
 
 
 def _build(model: str):
@@ -248,8 +267,7 @@ def _build(model: str):
     # the trainer sets the process's backend before it builds: building under another one (the module's
     # default, or the last cell's) makes full_dtensor's fully_shard reject the parameters' meshes
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
-    config = _sdpa(CONFIGS[model]())
-    config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
+    config = _config(model, parallelism)
     with torch.device("meta"):
         built = config.build()
     built.to_empty(device="cpu")
@@ -280,9 +298,15 @@ def forward(model, batch):
 
 
 def loss(output, batch):
+    return _share(output, _feeds(batch)[1])
+
+
+def _share(output, labels):
+    """torchtitan's ``cross_entropy_loss`` (a sum) over the global token count: this rank's (or this
+    microbatch's) share of the global mean, as the trainer normalises it."""
     from torchtitan.components.loss import cross_entropy_loss
 
-    return cross_entropy_loss(output, _feeds(batch)[1]) / (SIZES["batch"] * SIZES["seq"])
+    return cross_entropy_loss(output, labels) / (SIZES["batch"] * SIZES["seq"])
 
 
 def _parallelize(model_name: str):
@@ -295,14 +319,27 @@ def _parallelize(model_name: str):
         dims = ParallelDims.from_config(job, meshes.spec.world)
         dims.build_mesh()
         _DIMS["dims"] = dims
-        parallelize_fn = import_module(_module(model_name)).model_registry("debugmodel").parallelize_fn
-        model = parallelize_fn(model, parallel_dims=dims, training=TrainingConfig(mixed_precision_param="float32"),
-                               parallelism=job, compile_config=CompileConfig(enable=False), ac_config=None,
-                               dump_folder=tempfile.gettempdir())
-        for module in model.modules():  # gloo has no PREMUL_SUM: a plain SUM, the same sum (the factor is 1)
-            if isinstance(module, FSDPModule):
-                module.set_force_sum_reduction_for_comms(True)
-        return model
+        spec = import_module(_module(model_name)).model_registry("debugmodel")
+        # the trainer's local batch: the global one over the data ranks, one microbatch per sample under pp
+        training = TrainingConfig(mixed_precision_param="float32",
+                                  local_batch_size=SIZES["batch"] // (dims.dp_replicate * dims.dp_shard))
+        common = dict(parallel_dims=dims, training=training, parallelism=job, compile_config=CompileConfig(enable=False),
+                      ac_config=None, dump_folder=tempfile.gettempdir())
+        if dims.pp_enabled:  # the trainer's pipelining_fn: stages split from the model, each parallelized
+            schedule, parts, _, _ = spec.pipelining_fn(
+                model, device=torch.device("cpu"), model_config=_config(model_name, job),
+                parallelize_fn=spec.parallelize_fn, loss_fn=lambda output, labels: (_share(output, labels), None),
+                **common)
+            made, modules = Pipelined(stages=getattr(schedule, "_stages", None) or [schedule._stage],
+                                      schedule=schedule), parts
+        else:
+            made = spec.parallelize_fn(model, **common)
+            modules = [made]
+        for part in modules:
+            for module in part.modules():  # gloo has no PREMUL_SUM: a plain SUM, the same sum (the factor is 1)
+                if isinstance(module, FSDPModule):
+                    module.set_force_sum_reduction_for_comms(True)
+        return made
     return parallelize
 
 
@@ -312,8 +349,9 @@ def case(model: str) -> ModelCase:
     moe = model in MOE
     return ModelCase(build=lambda: _build(model), batch=batch, loss=loss, forward=forward, loss_reduction="sum",
                      parallelize={impl: _parallelize(model) for impl in BACKENDS},
-                     switches={"sp": ("on", "off"), **({"ep": EXPERT_DEGREES} if moe else {})},
-                     acts_with={"sp": ("tp",)}, fp32_ops=("_grouped_mm",) if moe else (),
+                     switches={"sp": ("on", "off"), **({"ep": EXPERT_DEGREES} if moe else {"sched": tuple(SCHEDULES)})},
+                     acts_with={"sp": ("tp",), **({} if moe else {"sched": ("pp",)})},
+                     fp32_ops=("_grouped_mm",) if moe else (),
                      xfail={impl: _known for impl in BACKENDS} if moe else {})
 
 
@@ -340,13 +378,14 @@ def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = PLANS,
         # an MoE model runs the meshes of MOE_MESHES that were asked for, each with its ep
         chosen = [m for m in MOE_MESHES if m[0] in meshes] if model in MOE else [(m, None, ()) for m in meshes]
         for mesh, ep, cannot in chosen:
-            runs = [plan for plan in plans if plan not in cannot]
+            runs = [plan for plan in plans if plan not in cannot and not (plan == "full" and "pp=" in mesh)]
             if not runs:
                 continue
-            # sequence parallelism acts with tp only: without tp, sp_on would certify what sp_off does
+            # sequence parallelism acts with tp only: without tp, sp_on would certify what sp_off does;
+            # a schedule with pp only
             sp = ["on", "off"] if "tp=" in mesh else ["off"]
-            out += model_cells(name_of(model), impls=runs, meshes=[mesh],
-                               switches={"sp": sp, **({"ep": [ep]} if ep else {})})
+            more = {"ep": [ep]} if ep else {} if model in MOE else {"sched": list(SCHEDULES) if "pp=" in mesh else ["1f1b"]}
+            out += model_cells(name_of(model), impls=runs, meshes=[mesh], switches={"sp": sp, **more})
     if not out:
         raise ValueError(f"no cell of {', '.join(only or CONFIGS)} on {'; '.join(meshes)}: the MoE models run "
                          f"{'; '.join(sorted({m[0] for m in MOE_MESHES}))}")
