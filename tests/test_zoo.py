@@ -223,8 +223,9 @@ def test_the_maintainers_reproduction_in_the_docs_shows_the_bug_and_passes_a_rig
 
 
 def test_diff_names_each_cell_whose_verdict_or_reason_moved(project):
-    """Two releases' zoo.json: a verdict that moved, and a skip whose reason changed, are each a line;
-    a cell that stayed as it was is not."""
+    """Two releases' zoo.json: a verdict that moved, a skip whose reason changed and a known cell that
+    fails otherwise are each a line; a cell that stayed as it was is not, nor is a declared bug that
+    still holds (its reason names the new release, not one it was seen on: one line for them all)."""
     def write(name, library_version, cells):
         path = project.path / name
         path.write_text(json.dumps({"library": "transformers", "transformers": library_version,
@@ -232,13 +233,22 @@ def test_diff_names_each_cell_whose_verdict_or_reason_moved(project):
         return path
 
     old = write("old.json", "5.23.0", [("hfa-tp-tp2", "pass", ""), ("hfb-tp-tp2", "skip", "not built tiny: x"),
-                                       ("hfc-tp-tp2", "known", "bug"), ("hfd-tp-tp2", "skip", "no token ids")])
+                                       ("hfc-tp-tp2", "known", "bug"), ("hfd-tp-tp2", "skip", "no token ids"),
+                                       ("hfe-tp-tp2", "known", "transformers 5.23.0: mask: 4 heads"),
+                                       ("hfe-tp-tp4", "known", "transformers 5.23.0: mask: 4 heads"),
+                                       ("hff-tp-tp2", "known", "transformers 5.23.0: norms left plain")])
+    later = "transformers 5.24.0, a release it has not been seen on yet (seen on 5.23.0): "
     new = write("new.json", "5.24.0", [("hfa-tp-tp2", "pass", ""), ("hfb-tp-tp2", "skip", "not built tiny: y"),
                                        ("hfc-tp-tp2", "fixed", "declared known (bug) but matches now"),
-                                       ("hfd-tp-tp2", "skip", "no token ids")])
+                                       ("hfd-tp-tp2", "skip", "no token ids"),
+                                       ("hfe-tp-tp2", "known", later + "mask: 4 heads"),
+                                       ("hfe-tp-tp4", "known", later + "mask: 4 heads"),
+                                       ("hff-tp-tp2", "known", later + "norms left plain, and more")])
     done = project.harness("zoo", "diff", str(old), str(new), timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
-        "transformers 5.23.0 -> 5.24.0: 2 cells changed",
+        "transformers 5.23.0 -> 5.24.0: 3 cells changed",
         "hfb-tp-tp2: skip, another reason: not built tiny: x -> not built tiny: y",
-        "hfc-tp-tp2: known -> fixed (declared known (bug) but matches now)"], done.stdout
+        "hfc-tp-tp2: known -> fixed (declared known (bug) but matches now)",
+        f"hff-tp-tp2: known, another reason: transformers 5.23.0: norms left plain -> {later}norms left plain, and more",
+        "still known, the same declared bug: 2 cells of 1 model(s) (hfe)"], done.stdout
