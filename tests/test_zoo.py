@@ -5,6 +5,7 @@ with a known upstream bug (apertus and inkling2_text, whose router forces fp32, 
 build is a skip that says why (never a red), and a bad option is one line with the fix."""
 import json
 import os
+import re
 
 import pytest
 
@@ -134,9 +135,13 @@ def test_a_known_bug_whose_cell_fails_another_way_a_lost_tie_and_a_wrong_load_ar
                            "rows 0-15 hold model.L_module.layers.0.self_attn.gate_proj.weight's rows 16-31, "), load
 
 
-def test_an_unknown_plan_is_one_line_with_the_choices(project):
+def test_an_unknown_plan_or_model_type_is_one_line_with_the_choices(project):
     done = zoo(project, "--plans", "tp,pp")
     assert done.returncode == 2 and "--plans: unknown pp; give some of tp, tpauto, ep, tpep" in done.stderr, done.stderr
+    # a model type misspelt (its cell's name, which drops the underscores): one line that says the near one
+    done = project.harness("zoo", "transformers", "--only", "qwen3moe,llama", timeout=300)
+    assert done.returncode == 2 and re.search(r"error: --only: unknown qwen3moe \(did you mean qwen3_moe\?\); "
+                                              r"\d{3} model types ship a TP or EP plan here$", done.stderr), done.stderr
 
 
 def test_the_nightly_zoo_workflow_lints_and_runs_the_command_tested_here():

@@ -51,7 +51,8 @@ def parallelize(model, meshes, tp_plan="auto"):
     if dist.get_rank() == 0:
         model.save_pretrained(path)
     dist.barrier()
-    loaded = type(model).from_pretrained(path, distributed_config=DistributedConfig(tp_plan=tp_plan))
+    loader = loading_class(model)
+    loaded = loader.from_pretrained(path, distributed_config=DistributedConfig(tp_plan=tp_plan))
     saved = dict(model.named_parameters())
     if wrong := loaded_wrong(saved, dict(loaded.named_parameters())):
         raise LoadMismatch(f"from_pretrained loaded {len(wrong)} parameter(s) other than save_pretrained was given "
@@ -59,10 +60,26 @@ def parallelize(model, meshes, tp_plan="auto"):
     again = path / "saved-sharded"
     loaded.save_pretrained(again)  # every rank: transformers gathers the shards, one rank writes
     dist.barrier()
-    if wrong := loaded_wrong(saved, dict(type(model).from_pretrained(again).named_parameters())):
+    if wrong := loaded_wrong(saved, dict(loader.from_pretrained(again).named_parameters())):
         raise LoadMismatch(f"the round trip: save_pretrained of the model from_pretrained loaded, loaded again on one "
                            f"process, holds {len(wrong)} parameter(s) other than the ones first saved: {'; '.join(wrong)}")
     return loaded
+
+
+def loading_class(model):
+    """What loads ``model``'s checkpoints as its users load them: ``AutoModelForCausalLM`` where it
+    maps the model's config to the model's own class (the checkpoint's own config type is read then,
+    whose model_type names its conversion: exaone's, built as a ``LlamaForCausalLM``, loaded by that
+    class would come back a ``LlamaConfig`` and save ``model_type: llama``), else the class itself (a
+    user's own subclass, a head the Auto class does not map)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = type(model.config)
+    if config in MODEL_FOR_CAUSAL_LM_MAPPING and MODEL_FOR_CAUSAL_LM_MAPPING[config] is type(model):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM
+    return type(model)
 
 
 def loaded_wrong(saved: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> list[str]:

@@ -13,6 +13,7 @@ between two releases.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import subprocess
@@ -139,8 +140,7 @@ def annotate(found: list[dict], library: str) -> list[dict]:
     """Each row with its model's own name (``model``) and, where it did not pass, the command that
     reproduces it (``reproduce``)."""
     zoo = _zoo(library)
-    models = zoo.CONFIGS if library == "torchtitan" else zoo.architectures()
-    named = {zoo.name_of(m): m for m in models}
+    named = {zoo.name_of(m): m for m in _models(library)}
     for r in found:
         model = named.get(r["cell"].split("-")[0], r["cell"].split("-")[0])
         r["model"] = model
@@ -245,6 +245,12 @@ def _declared(why: str, library: str) -> str:
     return why.split(": ", 1)[1] if why.startswith(f"{library} ") and ": " in why else why
 
 
+def _models(library: str) -> list[str]:
+    """What ``--only`` may name: torchtitan's zoo models, or transformers' model types with a plan."""
+    zoo = _zoo(library)
+    return list(zoo.CONFIGS) if library == "torchtitan" else zoo.architectures()
+
+
 def _zoo(library: str):
     """The zoo module of ``library`` (its ``PLANS``, ``zoo_cells``, ``version``)."""
     from importlib import import_module
@@ -335,9 +341,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "diff":
         return diff(args)
-    if args.command == "torchtitan" and (bad := [m for m in args.only.split(",") if m and m not in
-                                                 _zoo("torchtitan").CONFIGS]):
-        zoos["torchtitan"].error(f"--only: unknown {', '.join(bad)}; give some of {', '.join(_zoo('torchtitan').CONFIGS)}")
+    models = _models(args.command)
+    if bad := [m for m in args.only.split(",") if m and m not in models]:
+        near = {m: difflib.get_close_matches(m, models, n=1) for m in bad}
+        zoos[args.command].error(
+            "--only: unknown " + ", ".join(f"{m} (did you mean {near[m][0]}?)" if near[m] else m for m in bad)
+            + (f"; give some of {', '.join(models)}" if len(models) <= 12 else
+               f"; {len(models)} model types ship a TP or EP plan here"))
     known = _zoo(args.command).PLANS
     if bad := [p for p in args.plans.split(",") if p and p not in known]:
         zoos[args.command].error(f"--plans: unknown {', '.join(bad)}; give some of {', '.join(known)}")

@@ -113,21 +113,28 @@ class KnownBug:
 
 
 _NORMS = "q_norm and k_norm (RMSNorm over each head) run on each rank's heads and are left plain by the plan"
+# the releases a bug was seen on: 5.23.0 and, rerun with the same first line, 5.24.0
+SEEN = ("5.23.0", "5.24.0")
 KNOWN: tuple[KnownBug, ...] = (
     # silent: gradients left per-rank partial sums (each fix turns the cell green)
-    KnownBug("apertus", ("tp", "tpauto"), ("5.23.0",),
-             "the MLP's xIELU activation has parameters (alpha_p, alpha_n) and runs on each rank's shard of the "
-             "up projection; the plan leaves it plain, so their gradients stay per-rank partial sums over tp",
-             r"^first diverging module: model\.layers\.\d+\.mlp\.act_fn \(parameter gradients, step 1\)",
-             fix={"model.layers.*.mlp.act_fn": "replicated_with_grad_allreduce"}),
-    *(KnownBug(model_type, ("tp", "tpauto", "tpep"), ("5.23.0",),
+    *(KnownBug(model_type, ("tp", "tpauto"), seen,
+               "the MLP's xIELU activation has parameters (alpha_p, alpha_n) and runs on each rank's shard of the "
+               "up projection; the plan leaves it plain, so their gradients stay per-rank partial sums over tp",
+               r"^first diverging module: model\.layers\.\d+\.mlp\.act_fn \(parameter gradients, step 1\)",
+               fix={"model.layers.*.mlp.act_fn": "replicated_with_grad_allreduce"})
+      for model_type, seen in (("apertus", SEEN), ("apertus1p5_text", ("5.24.0",)))),
+    *(KnownBug(model_type, plans, seen,
                f"{_NORMS} (Qwen3's own plan has replicated_with_grad_allreduce): their weights' gradients stay "
                "per-rank partial sums over tp",
-               r"^first diverging module: layers\.\d+\.self_attn\.[qk]_norm \(parameter gradients, step 1\)",
-               fix={"layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
-                    "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"})
-      for model_type in ("qwen3_vl_moe_text", "qwen3_omni_moe_text")),
-    KnownBug("hrm_text", ("tpauto",), ("5.23.0",),
+               r"^first diverging module: (model\.)?layers\.\d+\.self_attn\.[qk]_norm \(parameter gradients, step 1\)",
+               fix={f"{prefix}layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+                    f"{prefix}layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"})
+      for model_type, plans, seen, prefix in (("qwen3_vl_moe_text", ("tp", "tpauto", "tpep"), SEEN, ""),
+                                              ("qwen3_omni_moe_text", ("tp", "tpauto", "tpep"), SEEN, ""),
+                                              # built as a Glm4MoeForCausalLM, whose plan names "model.layers";
+                                              # its tpauto cell crashes in the load's conversion first: not traced
+                                              ("sarvam_moe", ("tp", "tpep"), ("5.24.0",), "model."))),
+    KnownBug("hrm_text", ("tpauto",), SEEN,
              "save_pretrained writes q/k/v/gate and gate/up fused (gqkv_proj, gate_up_proj: conversion_mapping.py); "
              "from_pretrained(tp_plan='auto') shards the fused tensor before chunking it, so each rank loads the "
              "wrong rows of every colwise projection (one process loads them right, and so does "
@@ -145,39 +152,39 @@ KNOWN: tuple[KnownBug, ...] = (
              "is right, but labels them with the plan's 'colwise' placement: gathered (full_tensor, as "
              "save_pretrained gathers) the parameter comes out with its rows in the wrong places (the load check)",
              r"LoadMismatch: .*model\.layers\.0\.mlp\.experts\.gate_up_proj: rows "),
-    KnownBug("gemma3n_text", ("tp", "tpauto"), ("5.23.0",),
+    KnownBug("gemma3n_text", ("tp", "tpauto"), SEEN,
              "the MLP's activation sparsity (_gaussian_topk, on in the first 10 of 35 layers as shipped) cuts the "
              "gate at mean + std * icdf(0.95) over the intermediate dim, which the plan shards (gate_proj "
              "colwise): each rank takes the mean and std of its own shard, so the cutoff, and every activation "
              "after it, differ from one process's; no tp_plan entry fixes it (the statistics need an all-reduce)",
              r"^first diverging module: model\.layers\.0\.mlp\.act_fn \(output, step 1"),
     # crashes at tp=2
-    KnownBug("doge", ("tp", "tpauto"), ("5.23.0",),
+    KnownBug("doge", ("tp", "tpauto"), SEEN,
              "crash: dt_proj is rowwise, so the dynamic attention mask it makes holds every head while q/k/v are "
              "colwise (each rank's heads): eager_attention_forward adds a 4-head mask to 2-head scores (at tp=4 "
              "it broadcasts over 1-head scores, and o_proj gets 4 heads' worth)",
              r"in module model\.layers\.0\.self_attn(\.o_proj)?: RuntimeError: (The size of tensor a \(2\) must match "
              r"the size of tensor b \(4\)|shape '\[32, 8\]' is invalid)"),
-    KnownBug("embedding_gemma2_text", ("tp", "tpauto"), ("5.23.0",),
+    KnownBug("embedding_gemma2_text", ("tp", "tpauto"), SEEN,
              "crash: the full-attention layers have one key/value head of 512 (per_layer_config); the colwise "
              "k_proj/v_proj split it across ranks and .view(..., -1, head_dim) fails",
              r"in module layers\.1\.self_attn: RuntimeError: shape '\[4, 8, -1, 512\]' is invalid"),
-    KnownBug("esmc", ("tp", "tpauto"), ("5.23.0",),
+    KnownBug("esmc", ("tp", "tpauto"), SEEN,
              "crash: q_norm/k_norm are LayerNorms over the whole hidden size, applied to the colwise q/k "
              "projections' local halves",
              r"in module layers\.0\.self_attn\.q_norm: RuntimeError: Given normalized_shape=\[32\]"),
-    *(KnownBug(model_type, ("tp", "tpauto", "tpep"), ("5.23.0",),
+    *(KnownBug(model_type, ("tp", "tpauto", "tpep"), SEEN,
                "crash: the token embedding applies its own RMSNorm (embed_norm) inside its forward, on the rowwise "
                "embedding's partial sums before the style reduces them: DTensor cannot reduce a Partial there",
                r"in module (model\.)?embed_tokens\.embed_norm: AssertionError")
       for model_type in ("inkling_text", "muse_glimmer_text", "muse_spark_text")),
-    *(KnownBug(model_type, ("ep",), ("5.23.0",),
+    *(KnownBug(model_type, ("ep",), SEEN,
              "crash: its EP plan also shards the dense MLP beside the experts (gate_proj and up_proj colwise, "
              "down_proj rowwise) over the ep ranks, which ep borrows from dp; apply_fully_sharded_data_parallelism "
              "then shards those DTensors again over dp, the same ranks, and fully_shard cannot compose the two",
              r"RuntimeError: Cannot concatenate overlapping meshes: \[DeviceMesh\(\(dp=2\)")
       for model_type in ("gemma4_text", "diffusion_gemma_text")),
-    KnownBug("llama4_text", ("tp", "tpauto"), ("5.23.0",),
+    KnownBug("llama4_text", ("tp", "tpauto"), SEEN,
              "crash: the MoE block adds the routed experts' output in place (out.add_) to the shared expert's "
              "output, a view _ToTorchTensor returns under autograd",
              r"in module model\.layers\.0\.feed_forward: RuntimeError: Output 0 of _ToTorchTensor is a view"),
