@@ -22,6 +22,8 @@ def tp_row_offsets_array_split(ctx, cfg):
     The two agree whenever f % tp is 0 or tp-1, so at tp=2 always, and at tp=3 only the split where
     the last shard is one short; with f ≡ 1 (mod 3) (the last shard two short: f=7 as 3,3,1) rank 2
     multiplies the wrong rows. The matrix's f=32 is 32 % 3 = 2 at tp=3 and even at tp 2, 4 and 8.
+    Under ``op=sp`` the sequence-parallel input and output are cut on dim 1 too, so the same offsets
+    misplace the sequence s wherever s % tp is neither 0 nor tp-1.
     """
     real = tp.take
 

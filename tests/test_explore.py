@@ -25,8 +25,12 @@ WORKFLOW = ROOT / ".github" / "workflows" / "explore.yml"
 # planted bugs (tests/planted_explore.py): target -> (base implementation, cases module, the shape of
 # config that shows the bug: what every shrunk failure must have)
 PLANTED = {
+    # what it cuts on dim 1 at array_split's offsets: the row weights' f, and under op=sp the sequence s
+    # of the input and the output (an unseeded search found it there: tp4 f12 s10 sp)
     "tp:rowsplit": ("tp_row_offsets_array_split", "ours", "cases.test_tp",
-                    lambda c: c.degree("tp") >= 3 and c.size("f") % c.degree("tp") not in (0, c.degree("tp") - 1)),
+                    lambda c: c.degree("tp") >= 3 and any(
+                        c.size(d) % c.degree("tp") not in (0, c.degree("tp") - 1)
+                        for d in (("f", "s") if c.switch("op") == "sp" else ("f",)))),
     # dropless over two or more ep ranks, routing that can pass ep rank 0 by (route one feeds it every
     # first choice; skew at ep >= 3 can leave it idle: found at ep7 e14 k1 t14); a found failure
     # without these is not the planted bug (a bf16 grad/w_up at ep=1 passed as it)
