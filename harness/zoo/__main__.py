@@ -218,12 +218,11 @@ def html(found: list[dict], versions: str, library: str = "transformers", unused
                if unused else ""))
 
 
-def changes(old: dict, new: dict) -> tuple[list[str], list[str]]:
+def changes(old: dict, new: dict, library: str) -> tuple[list[str], list[str]]:
     """What changed between two zoo.json files, one line per cell: its verdict moved, or it kept its
     verdict for another reason (a skip's cause, a red's first line, a crash's cause); and the cells
     known on both whose declared bug is the same (its reason but for the release it names): they
-    still hold, said once for all of them, not as a change."""
-    library = new.get("library", "transformers")  # zoo.json files written before torchtitan's zoo name none
+    still hold, said once for all of them, not as a change (``library``: whose releases they name)."""
     before = {r["cell"]: r for r in old["cells"]}
     after = {r["cell"]: r for r in new["cells"]}
     out, held = [], []
@@ -308,8 +307,8 @@ def diff(args) -> int:
         print(f"python -m harness.zoo diff: {error}: give two zoo.json files that python -m harness.zoo wrote",
               file=sys.stderr)
         return 2
-    moved, held = changes(old, new)
     library = new.get("library", "transformers")  # zoo.json files written before torchtitan's zoo name none
+    moved, held = changes(old, new, library)
     print(f"{library} {old.get(library)} -> {new.get(library)}: {len(moved)} cells changed")
     print("\n".join(moved))
     if held:
@@ -341,8 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "diff":
         return diff(args)
-    models = _models(args.command)
-    if bad := [m for m in args.only.split(",") if m and m not in models]:
+    # the model types are read only to check an --only (transformers': every config class imported, seconds)
+    only = [m for m in args.only.split(",") if m]
+    models = _models(args.command) if only else []
+    if bad := [m for m in only if m not in models]:
         near = {m: difflib.get_close_matches(m, models, n=1) for m in bad}
         zoos[args.command].error(
             "--only: unknown " + ", ".join(f"{m} (did you mean {near[m][0]}?)" if near[m] else m for m in bad)

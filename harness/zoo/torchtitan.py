@@ -326,16 +326,15 @@ def _parallelize(model_name: str):
         common = dict(parallel_dims=dims, training=training, parallelism=job, compile_config=CompileConfig(enable=False),
                       ac_config=None, dump_folder=tempfile.gettempdir())
         if dims.pp_enabled:  # the trainer's pipelining_fn: stages split from the model, each parallelized
-            schedule, parts, _, _ = spec.pipelining_fn(
+            schedule, _, _, _ = spec.pipelining_fn(
                 model, device=torch.device("cpu"), model_config=_config(model_name, job),
                 parallelize_fn=spec.parallelize_fn, loss_fn=lambda output, labels: (_share(output, labels), None),
                 **common)
-            made, modules = Pipelined(stages=getattr(schedule, "_stages", None) or [schedule._stage],
-                                      schedule=schedule), parts
+            # it returns the stages' modules, not the stages: the schedule holds them (one, or a rank's several)
+            made = Pipelined(stages=getattr(schedule, "_stages", None) or [schedule._stage], schedule=schedule)
         else:
             made = spec.parallelize_fn(model, **common)
-            modules = [made]
-        for part in modules:
+        for part in made.modules if isinstance(made, Pipelined) else [made]:
             for module in part.modules():  # gloo has no PREMUL_SUM: a plain SUM, the same sum (the factor is 1)
                 if isinstance(module, FSDPModule):
                     module.set_force_sum_reduction_for_comms(True)
@@ -376,16 +375,18 @@ def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = PLANS,
         register_component(model_component(name_of(model), f"harness.zoo.torchtitan:case({model})", list(plans),
                                            preload=("harness.zoo.torchtitan",), fresh=True))
         # an MoE model runs the meshes of MOE_MESHES that were asked for, each with its ep
-        chosen = [m for m in MOE_MESHES if m[0] in meshes] if model in MOE else [(m, None, ()) for m in meshes]
+        # a dense model runs every mesh asked for, full_dtensor none with pp (NOT_RUN says why)
+        chosen = ([m for m in MOE_MESHES if m[0] in meshes] if model in MOE else
+                  [(m, None, ("full",) if "pp=" in m else ()) for m in meshes])
         for mesh, ep, cannot in chosen:
-            runs = [plan for plan in plans if plan not in cannot and not (plan == "full" and "pp=" in mesh)]
+            runs = [plan for plan in plans if plan not in cannot]
             if not runs:
                 continue
             # sequence parallelism acts with tp only: without tp, sp_on would certify what sp_off does;
             # a schedule with pp only
             sp = ["on", "off"] if "tp=" in mesh else ["off"]
-            more = {"ep": [ep]} if ep else {} if model in MOE else {"sched": list(SCHEDULES) if "pp=" in mesh else ["1f1b"]}
-            out += model_cells(name_of(model), impls=runs, meshes=[mesh], switches={"sp": sp, **more})
+            own = {"ep": [ep]} if model in MOE else {"sched": list(SCHEDULES) if "pp=" in mesh else ["1f1b"]}
+            out += model_cells(name_of(model), impls=runs, meshes=[mesh], switches={"sp": sp, **own})
     if not out:
         raise ValueError(f"no cell of {', '.join(only or CONFIGS)} on {'; '.join(meshes)}: the MoE models run "
                          f"{'; '.join(sorted({m[0] for m in MOE_MESHES}))}")
