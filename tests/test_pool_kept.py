@@ -216,6 +216,29 @@ def test_a_library_put_first_on_the_path_is_what_the_next_run_imports(box):
 
 
 @pytest.mark.slow
+def test_a_namespace_package_put_first_on_the_path_is_what_the_next_run_imports(box):
+    """The same for a namespace package (megatron: no ``__init__.py``, no file of its own), which a
+    copy put first on the path extends with a directory before the installed one."""
+    core = pytest.importorskip("megatron.core", reason="megatron-core (README's thirdparty extra) is the namespace "
+                                                       "package installed here")
+    project = make_project(box["root"] / "project")
+    impl = project / "mypkg" / "tp_impl.py"
+    impl.write_text("import os\nimport megatron.core  # third-party, a namespace's package: the kept pool imports it\n"
+                    "open(os.environ['SEEN'], 'a').write(megatron.core.__file__ + '\\n')\n" + impl.read_text())
+    seen = box["root"] / "seen.txt"
+    env = dict(box["env"], PARITYTEST_KEEP_POOL="120", SEEN=str(seen))
+    assert pytest_in(project, env, "-k", ONE_CELL).returncode == 0
+    copy = box["root"] / "patched"
+    (copy / "megatron" / "core").mkdir(parents=True)
+    (copy / "megatron" / "core" / "__init__.py").write_text("# a patched megatron.core\n")
+    done = pytest_in(project, dict(env, PYTHONPATH=str(copy)), "-k", ONE_CELL)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    first, *_, last = seen.read_text().split()
+    assert first == core.__file__ and last == str(copy / "megatron" / "core" / "__init__.py"), seen.read_text()
+    pytest_in(project, env, "--stop-pool")
+
+
+@pytest.mark.slow
 def test_a_kept_pool_exits_after_its_idle_timeout_and_leaves_nothing(box):
     project = make_project(box["root"] / "project")
     env = dict(box["env"], PARITYTEST_KEEP_POOL="15")

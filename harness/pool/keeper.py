@@ -195,19 +195,33 @@ def shadowed(path: list[str], wanted=()) -> str | None:
     that ``path`` (a run's ``sys.path``) would import from another file; None when there is none.
     Found as an import would find it: every finder of ``sys.meta_path`` (setuptools' distutils shim,
     editable installs), not the path alone."""
-    held = {name: getattr(module, "__file__", None) for name, module in list(sys.modules.items()) if "." not in name}
+    held = {name: _location(module) for name, module in list(sys.modules.items()) if "." not in name}
     names = [n for n in dict.fromkeys([*held, *(w.partition(".")[0] for w in wanted)])
              if n not in sys.builtin_module_names]
     mine = {n: held.get(n) for n in names}
     missing = [n for n in names if n not in held]
     mine.update(zip(missing, _origins(missing, sys.path)))
     for name, theirs in zip(names, _origins(names, path)):
-        # files, not built-in, frozen or a namespace; one removed since it was imported still counts (a
-        # keeper holding a deleted copy of a package would import the rest of it from nowhere)
-        files = [f for f in (mine[name], theirs) if f and os.path.isabs(f)]
-        if len(files) == 2 and os.path.realpath(theirs) != os.path.realpath(mine[name]):
+        # files or a namespace's directories, not built-in or frozen; one removed since it was imported
+        # still counts (a keeper holding a deleted copy of a package would import the rest of it from nowhere)
+        found = [f for f in (mine[name], theirs) if f and os.path.isabs(f)]
+        if len(found) == 2 and _real(theirs) != _real(mine[name]):
             return name
     return None
+
+
+def _location(module) -> str | None:
+    """Where a module was imported from: its file, or a namespace package's directories (a copy
+    of one put first on the path adds a directory before the installed one)."""
+    file = getattr(module, "__file__", None)
+    if file:
+        return file
+    portions = getattr(module, "__path__", None)
+    return os.pathsep.join(portions) if portions is not None else None
+
+
+def _real(location: str) -> str:
+    return os.pathsep.join(os.path.realpath(p) for p in location.split(os.pathsep))
 
 
 def _origins(names: list[str], path: list[str]) -> list[str | None]:
@@ -227,7 +241,8 @@ def _origin(name: str) -> str | None:
         except Exception:  # noqa: BLE001  a finder that cannot answer is no answer
             continue
         if spec is not None:
-            return spec.origin
+            namespace = spec.origin in (None, "namespace") and spec.submodule_search_locations is not None
+            return os.pathsep.join(spec.submodule_search_locations) if namespace else spec.origin
     return None
 
 
