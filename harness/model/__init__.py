@@ -3,13 +3,17 @@ optimizer steps on the harness's meshes, against the same model on one process i
 
 Public API::
 
-    from harness.model import ModelCase, Pipelined, register_model, model_cells, cell_dir, switches, running
+    from harness.model import (ModelCase, Pipelined, Parallelized, load_shards, register_model, model_cells,
+                               cell_dir, switches, running)
 
 * :class:`ModelCase`: ``build``, ``batch``, ``loss``, ``parallelize`` (name -> ``fn(model, meshes)``),
   and optional ``forward``, ``optimizer``, ``steps``, ``seq_dim``, ``placements``, ``reduction``,
   ``mixed_precision``, ``supports``, ``xfail``.
-* ``parallelize`` gets :class:`harness.meshes.Meshes` and returns the module, or a :class:`Pipelined`
-  (the rank's ``PipelineStage`` objects and their schedule). A module whose output is a DTensor has
+* ``parallelize`` gets :class:`harness.meshes.Meshes` and returns the module, a :class:`Pipelined`
+  (the rank's ``PipelineStage`` objects and their schedule), or a :class:`Parallelized` (the module,
+  the code that finishes its gradients before each optimizer step, a rank's own parameter names).
+  ``load_shards(module, whole, placements)`` loads the seeded start by name into a model its
+  framework built already sharded. A module whose output is a DTensor has
   its loss computed and backpropagated under ``loss_parallel()``.
 * ``cell_dir()``: the directory a cell's ranks share, for a ``parallelize`` that goes through files
   (``save_pretrained`` / ``from_pretrained``); ``switches()``: the cell's values of the case's own
@@ -34,8 +38,10 @@ ranks and in the reference (``tasks.py``, the entry points bound to the case) ->
 ``split.py`` fails a cell whose function split nothing over a dim of its mesh; ``register.py``
 makes a case a Component.
 """
-from .case import ModelCase, Pipelined
+from .case import ModelCase, Parallelized, Pipelined
 from .cell import Running, cell_dir, running, switches
+from .placement import load_shards
 from .register import model_cells, register_model
 
-__all__ = ["ModelCase", "Pipelined", "Running", "cell_dir", "model_cells", "register_model", "running", "switches"]
+__all__ = ["ModelCase", "Parallelized", "Pipelined", "Running", "cell_dir", "load_shards", "model_cells", "register_model",
+           "running", "switches"]

@@ -1,5 +1,6 @@
-"""What a user writes to check a whole model: :class:`ModelCase`, and :class:`Pipelined` for
-``parallelize`` functions that return a ``torch.distributed.pipelining`` schedule.
+"""What a user writes to check a whole model: :class:`ModelCase`; :class:`Pipelined` for
+``parallelize`` functions that return a ``torch.distributed.pipelining`` schedule, and
+:class:`Parallelized` for those whose trainer finishes the gradients itself.
 
 A case is a plain value in the user's own module (``mypkg/cases.py: CASE = ModelCase(...)``); the
 rank processes import it by path, as they import implementations, so it must be a module global.
@@ -74,6 +75,32 @@ class Pipelined:
 
 
 @dataclass(frozen=True)
+class Parallelized:
+    """What a ``parallelize`` function returns when the module alone does not say how it trains
+    (Megatron-Core's ``DistributedDataParallel`` and ``finalize_model_grads``).
+
+    ``module``: the module that runs forward and holds this rank's parameters, named as the
+    unparallelized model names them (or mapped by ``global_name``). ``step``: where the trainer runs
+    a step's forward and backward itself (Megatron's ``forward_backward_func`` over its pipeline
+    schedule), ``step(batch) -> loss``: both on this rank's slice of the step's global batch,
+    returning the loss ``ModelCase.loss`` would (a pipeline's every stage returning the last
+    stage's); None: the harness runs ``forward``, ``loss`` and backward. ``before_step``: called on every
+    rank after each step's backward, before the harness reads the gradients and steps the optimizer:
+    where a trainer's own code finishes the gradients and puts them in ``.grad`` (Megatron's
+    ``finalize_model_grads``, then each ``param.main_grad`` into ``param.grad``). ``global_name``:
+    this rank's name of a parameter -> the unparallelized model's name of what it holds, for
+    parameters a rank names locally (Megatron's ``local_experts.<i>`` on expert-parallel rank ``r``
+    is expert ``r * n_local + i`` of the whole model). A name held by some ranks only is judged where
+    it is held: the ranks that hold it must be those of some coordinates of the cell's mesh dims.
+    """
+
+    module: nn.Module
+    step: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None
+    before_step: Callable[[], None] | None = None
+    global_name: Callable[[str], str] | None = None
+
+
+@dataclass(frozen=True)
 class ModelCase:
     """A model, its data and loss, and the functions that parallelize it; see README "Your own model".
 
@@ -92,7 +119,8 @@ class ModelCase:
       data ranks). ``"sum"``: each rank's loss is its share of the global mean, its own sum over the
       global token count, as torchtitan's trainer computes it with FSDP's gradient division off; the
       global loss is their sum (a DTensor loss counts by its local value, its rank's share).
-    * ``parallelize``: implementation name -> ``fn(model, meshes) -> nn.Module | Pipelined``, the
+    * ``parallelize``: implementation name -> ``fn(model, meshes) -> nn.Module | Pipelined |
+      Parallelized``, the
       function you train with, given :class:`harness.meshes.Meshes` (``meshes.dense["tp"]``,
       ``meshes.mesh("fsdp")``, ...). It may return the module it was given, changed in place.
       A module's output may be a DTensor (``loss_parallel``): the loss then runs under
@@ -137,6 +165,12 @@ class ModelCase:
     * ``acts_with``: switch name -> the mesh dims it acts with (``{"sp": ("tp",)}``: sequence
       parallelism changes nothing without tp): ``--quick`` runs each of its values on a mesh where
       one of those dims has a degree above 1.
+    * ``judge_plain_activations``: whether a failing cell's diagnosis places a module's plain
+      (not DTensor) outputs and their gradients by their shapes alone: this rank's rows of the batch
+      on dim 0, a tp shard where a dim is short by tp. ``False`` for a model laid out otherwise
+      (Megatron-Core's ``[s, b, h]`` activations, its packed ``[gate; up]`` outputs, its flattened
+      tokens), whose shapes a guess would misread into a divergence that is not there: its
+      divergence is then located by its DTensor activations and its parameters' gradients.
     """
 
     build: Callable[[], nn.Module]
@@ -157,6 +191,7 @@ class ModelCase:
     fp32_ops: tuple[str, ...] = ()
     mesh_names: str | dict[str, str] | None = None
     acts_with: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    judge_plain_activations: bool = True
 
     def __post_init__(self):
         if not self.parallelize:

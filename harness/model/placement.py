@@ -42,8 +42,9 @@ def placements_of(names, placements, degrees: dict[str, int]) -> dict[str, Shard
     for name, placement in zip(names, placements):
         if isinstance(placement, Replicate):
             continue
-        if isinstance(placement, Shard):
-            placement = DShard(placement.dim)
+        own = placement if isinstance(placement, Shard) else None  # a declared one: packs, zigzag, ... kept
+        if own is not None:
+            placement = DShard(own.dim)
         if type(placement) is not DShard:  # Partial, _StridedShard, ...
             return None
         dims = _cell_dims(name, degrees)
@@ -58,7 +59,7 @@ def placements_of(names, placements, degrees: dict[str, int]) -> dict[str, Shard
         if last.get(placement.dim, -1) > position:  # nested shards must apply in the cell's order
             return None
         last[placement.dim] = position
-        out[dim] = Shard(placement.dim)
+        out[dim] = own or Shard(placement.dim)
     return out
 
 
@@ -124,11 +125,13 @@ def plain_activation(tensor: torch.Tensor, degrees: dict[str, int], batch: dict[
 
 
 def activation(tensor: torch.Tensor, degrees: dict[str, int], batch: dict[str, Shard],
-               logical: tuple[int, ...] | None = None, ours: dict[str, str] | None = None) -> Piece | None:
+               logical: tuple[int, ...] | None = None, ours: dict[str, str] | None = None,
+               plain: bool = True) -> Piece | None:
     """An activation's piece: its DTensor placements (if any) plus the batch dims its mesh does not
-    name (a tensor-parallel activation is still this rank's rows of the batch)."""
+    name (a tensor-parallel activation is still this rank's rows of the batch); a plain tensor's by
+    its shape (:func:`plain_activation`) unless ``plain`` is False (None: not judged)."""
     if not isinstance(tensor, DTensor):
-        return plain_activation(tensor, degrees, batch, logical)
+        return plain_activation(tensor, degrees, batch, logical) if plain else None
     piece = piece_of(tensor, degrees, gather=False, ours=ours)
     if piece is None:
         return None
@@ -141,3 +144,46 @@ def activation(tensor: torch.Tensor, degrees: dict[str, int], batch: dict[str, S
     piece.shape = tuple(shape)
     piece.placements = in_order(piece.placements)
     return piece
+
+
+def load_shards(module: torch.nn.Module, whole: torch.nn.Module, placements: dict[str, dict],
+                global_name=None) -> None:
+    """Copy ``whole``'s parameters and buffers into ``module``'s by name, as a trainer loads a
+    checkpoint: the seeded start, loaded into a model its framework built already sharded
+    (Megatron-Core's, under its ``parallel_state``) or parallelized before it was materialised
+    (torchtitan's order: on meta, ``parallelize_fn``, ``to_empty``, ``init_weights``). A DTensor gets
+    its shard of the whole tensor by its own placements; a plain tensor this rank's piece as
+    ``placements`` declare it (the case's ``ModelCase.placements``; a replica where none is). Call it
+    from ``parallelize`` with the model it was given. ``global_name``: as
+    :class:`harness.model.Parallelized`'s. A piece whose shape is not the one ``module`` holds
+    raises, naming the tensor and both shapes."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from ..layout import MeshLayout, take
+    from .cell import running
+
+    degrees = running().mesh
+    layout = MeshLayout.of(tuple(degrees.items()))
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    sources = dict(whole.named_parameters(remove_duplicate=False)) | dict(whole.named_buffers())
+    buffers = dict(module.named_buffers())
+    with torch.no_grad():
+        for local, tensor in [*module.named_parameters(remove_duplicate=False), *buffers.items()]:
+            name = global_name(local) if global_name else local
+            if name not in sources:
+                if local in buffers:
+                    continue  # a buffer of the sharded build alone (its own bookkeeping)
+                raise KeyError(f"load_shards: {local!r}" + (f" ({name!r})" if name != local else "")
+                               + " is no parameter of the whole model: the two must name their parameters alike")
+            piece = sources[name].detach().to(tensor.device)
+            if isinstance(tensor, DTensor):  # every rank holds the whole: each cuts its own shard
+                piece = distribute_tensor(piece, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
+                tensor = tensor.to_local()
+            else:
+                for dim, shard in in_order(declared_placements(name, placements, degrees)).items():
+                    piece = take(piece, shard, degrees[dim], layout.coord(rank, dim))
+            if piece.shape != tensor.shape:
+                raise ValueError(f"load_shards: {name} is {tuple(sources[name].shape)} whole and this rank's piece "
+                                 f"as ModelCase.placements declare it is {tuple(piece.shape)}, but the sharded "
+                                 f"model holds {tuple(tensor.shape)}: declare where its pieces sit")
+            tensor.copy_(piece)

@@ -17,7 +17,8 @@ pass; exploration takes such a draw as invalid. What splits a dim:
            ``ModelCase.placements``
 ``ep``     (the switch) the function reached for the expert mesh (``meshes.sparse``,
            ``meshes.mesh``/``group`` of ``ep``, ``etp``, ``efsdp``) or sharded a DTensor over a
-           mesh dim named ``ep``
+           mesh dim named ``ep``, or named a parameter locally (``Parallelized.global_name``:
+           Megatron's local experts)
 =========  ==============================================================================
 
 A bf16 or fp16 cell in which no module's step-1 output on any rank was in that dtype ran in fp32

@@ -104,8 +104,9 @@ def _recorder(trainer: OnRank, case: ModelCase, cfg: Config) -> Recorder:
     grad_scale = 1.0 if trainer.shares else 1.0 / (s.rep * s.dp * s.cp)
 
     # a pipeline's modules run once per microbatch: the recorder joins a step's calls in their order
+    judged = case.judge_plain_activations
     return Recorder(trainer.modules, lambda t, module, name: activation(
-        t, trainer.degrees, batch_dims, shapes.get((module, name)), trainer.ours), grad_scale=grad_scale,
+        t, trainer.degrees, batch_dims, shapes.get((module, name)), trainer.ours, plain=judged), grad_scale=grad_scale,
         microbatches=trainer.pipelined is not None)
 
 
@@ -117,26 +118,40 @@ def placed(trainer: OnRank, tensors: dict[str, torch.Tensor]) -> dict[str, Piece
         plain = None if isinstance(tensor, DTensor) else \
             declared_placements(parse(name).param, trainer.case.placements, trainer.degrees)
         local[name] = piece_of(tensor, trainer.degrees, plain, ours=trainer.ours)
-    return _over_stages(trainer, local) if trainer.spec.pp > 1 else local
+    return _over_holders(trainer, local) if trainer.spec.pp > 1 or trainer.local_names else local
 
 
-def _over_stages(trainer: OnRank, local: dict[str, Piece]) -> dict[str, Piece]:
-    """Every name any stage holds, on every rank: held on the pp coordinates that hold it
-    (``Shard(0, on=...)``), an empty piece elsewhere."""
-    held = [None] * trainer.spec.pp
-    mine = {n: (pc.shape, pc.placements, pc.tensor.dtype) for n, pc in local.items()}
-    dist.all_gather_object(held, (trainer.ctx.coord("pp"), mine), group=trainer.meshes.group("pp"))
+def _over_holders(trainer: OnRank, local: dict[str, Piece]) -> dict[str, Piece]:
+    """Every name some rank holds, on every rank: held on the mesh coordinates of the ranks that hold
+    it (``Shard(0, on=...)`` per dim: a pipeline's stages over pp, a local expert's ranks over the
+    dims ep is borrowed from), an empty piece elsewhere."""
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, {n: (pc.shape, pc.placements, pc.tensor.dtype) for n, pc in local.items()})
     layout = MeshLayout.of(trainer.cfg.mesh)
     out = {}
-    for name in sorted({n for _, names in held for n in names}):
-        coords = tuple(sorted(c for c, names in held if name in names))
-        shape, placements, dtype = next(names[name] for _, names in held if name in names)
-        piece = Piece(local[name].tensor if name in local else None, shape, dict(placements, pp=Shard(0, on=coords)))
+    for name in sorted(set().union(*every)):
+        holders = [r for r, names in enumerate(every) if name in names]
+        shape, placements, dtype = every[holders[0]][name]
+        piece = Piece(local[name].tensor if name in local else None, shape,
+                      dict(placements, **_held_on(name, holders, layout, placements)))
         if name not in local:
             size = tuple(len(i) for i in piece_index(piece, layout, trainer.ctx.rank))
             piece.tensor = torch.zeros(size, dtype=dtype)
         out[name] = piece
     return out
+
+
+def _held_on(name: str, holders: list[int], layout: MeshLayout, placements: dict) -> dict[str, Shard]:
+    """``Shard(0, on=coords)`` per mesh dim whose coordinates say which ranks hold ``name``: the
+    ranks ``holders`` must be exactly those whose coordinates lie in the holders' on every dim."""
+    on = {d: sorted({layout.coord(r, d) for r in holders}) for d, n in zip(layout.names, layout.shape) if n > 1}
+    described = [r for r in range(layout.world) if all(layout.coord(r, d) in coords for d, coords in on.items())]
+    partial = {d: coords for d, coords in on.items() if len(coords) < layout.shape[layout.names.index(d)]}
+    if described != holders or set(partial) & set(placements):
+        raise CellError(f"{name} is held by ranks {holders}, which no coordinates of the cell's mesh ({layout.id}) "
+                        "describe: a parameter held by some ranks only must be held by every rank whose "
+                        "coordinates on each dim are among the holders'")
+    return {d: Shard(0, on=tuple(coords)) for d, coords in partial.items()}
 
 
 class ModuleError(RuntimeError):

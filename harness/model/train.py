@@ -22,7 +22,7 @@ from ..context import RankContext
 from ..names import grad_name, loss_name, mesh_names, param_name, state_name
 from ..world import check_mesh_covers
 from .batches import as_dtype, batch_dtype, global_batch, local_batch, start_model
-from .case import ModelCase, Pipelined
+from .case import ModelCase, Parallelized, Pipelined
 from .plan import mesh_spec
 from .split import Notes, Watched, degrees_of
 
@@ -235,10 +235,14 @@ class OnRank(Trainer):
         watched = Watched(self.meshes.renamed(names))
         made = case.parallelize[cfg.impl](model, watched)
         self.pipelined = made if isinstance(made, Pipelined) else None
-        if self.pipelined is None and not isinstance(made, nn.Module):
+        self.made = made if isinstance(made, Parallelized) else Parallelized(made) if isinstance(made, nn.Module) \
+            else None
+        if self.pipelined is None and self.made is None:
             raise TypeError(f"parallelize[{cfg.impl!r}] returned {type(made).__name__}: return the module, "
-                            "or harness.model.Pipelined(stages, schedule) for a pipelined model")
-        self.modules = self.pipelined.modules if self.pipelined else [made]
+                            "harness.model.Pipelined(stages, schedule) for a pipelined model, or "
+                            "harness.model.Parallelized(module, before_step=...) for one whose trainer finishes "
+                            "its gradients itself")
+        self.modules = self.pipelined.modules if self.pipelined else [self.made.module]
         check_mesh_covers(self.modules, dist.get_world_size())
         self.notes = self._notes(watched)
         self.params = self._params()
@@ -247,25 +251,44 @@ class OnRank(Trainer):
     def _notes(self, watched: Watched) -> Notes:
         """What split each dim here (:mod:`harness.model.split`)."""
         notes = Notes(self.cfg, self.case, degrees_of(self.spec), self.ours)
-        if self.pipelined is not None:
+        if self.pipelined is not None or (self.spec.pp > 1 and self._holds_part()):
             notes.split.add("pp")
         if watched.reached:
             notes.split.add("ep")
         notes.modules(self.modules)
         return notes
 
+    def _holds_part(self) -> bool:
+        """Whether this rank holds some of the model's parameters only, by the reference's names (a
+        pipeline stage that ``Parallelized`` returned)."""
+        rename = self.made.global_name or (lambda name: name)
+        held = {self.alias.get(rename(n)) for n, _ in self.made.module.named_parameters()}
+        return held < set(self.alias.values())
+
+    @property
+    def local_names(self) -> bool:
+        """Whether ranks name some parameters locally (``Parallelized.global_name``): which ranks
+        hold a name is then for the ranks to tell each other."""
+        return self.made is not None and self.made.global_name is not None
+
     def _params(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters under the reference's names, sorted (every rank of a stage's mesh
         visits them in the same order: the fallback gather is a collective)."""
         seen, out = set(), []
+        rename = self.made.global_name if self.local_names else None
         for module in self.modules:
-            for name, p in module.named_parameters(remove_duplicate=False):
+            for local, p in module.named_parameters(remove_duplicate=False):
                 if id(p) in seen:
                     continue
                 seen.add(id(p))
+                name = rename(local) if rename else local
                 if name not in self.alias:
-                    raise KeyError(f"parallelize[{self.cfg.impl!r}] made a parameter {name!r} the model does not "
-                                   "have: keep the model's parameter names (wrap, shard or delete modules in place)")
+                    mapped = f" (its global_name {name!r})" if name != local else ""
+                    raise KeyError(f"parallelize[{self.cfg.impl!r}] made a parameter {local!r}{mapped} the model "
+                                   "does not have: keep the model's parameter names (wrap, shard or delete modules "
+                                   "in place), or map a rank's own names with Parallelized(global_name=...)")
+                if name != local:  # parameters split over ranks by name: the expert mesh's way
+                    self.notes.split.add("ep")
                 out.append((self.alias[name], p))
         return sorted(out, key=lambda item: item[0])
 
@@ -276,7 +299,8 @@ class OnRank(Trainer):
         return {k: t.to(ctx.device) for k, t in as_dtype(local, batch_dtype(self.case, self.cfg)).items()}
 
     def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        loss = self._pipeline_step(batch) if self.pipelined else self._local_step(batch)
+        loss = self._pipeline_step(batch) if self.pipelined else self._own_step(batch) if self.made.step \
+            else self._local_step(batch)
         group = self.meshes.group("loss")  # the ranks that hold different data
         dist.all_reduce(loss, group=group)
         return loss if self.shares else loss / dist.get_world_size(group)
@@ -295,6 +319,12 @@ class OnRank(Trainer):
             with autocast(self.case, self.cfg, self.ctx.device):
                 loss = self.case.loss(output, batch)
             loss.backward()
+        return scalar(loss, self.shares)
+
+    def _own_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The trainer's own forward and backward (``Parallelized.step``)."""
+        with autocast(self.case, self.cfg, self.ctx.device):
+            loss = self.made.step(batch)
         return scalar(loss, self.shares)
 
     def _pipeline_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -317,8 +347,9 @@ class OnRank(Trainer):
         return loss
 
     def before_optimizer(self) -> None:
-        if self.pipelined and self.pipelined.before_step:
-            self.pipelined.before_step()
+        made = self.pipelined or self.made
+        if made.before_step:
+            made.before_step()
 
 
 def _loss_parallel():

@@ -1,9 +1,11 @@
 """``python -m harness.zoo transformers``: every shipped plan of the installed transformers, checked
 against one process; a table of architecture × plan × mesh. ``python -m harness.zoo torchtitan``:
 torchtitan's models, parallelized by its own ``parallelize_fn`` over its own ``ParallelDims``.
+``python -m harness.zoo megatron``: Megatron-Core's ``GPTModel`` under its own ``parallel_state``,
+``DistributedDataParallel`` and ``finalize_model_grads``.
 
-It runs the zoo's cells (``zoo_cells`` of :mod:`harness.zoo.transformers` or
-:mod:`harness.zoo.torchtitan`) with pytest in a project of its own in a temporary directory, with the
+It runs the zoo's cells (``zoo_cells`` of :mod:`harness.zoo.transformers`, :mod:`harness.zoo.torchtitan`
+or :mod:`harness.zoo.megatron`) with pytest in a project of its own in a temporary directory, with the
 pool and the junit record every cell run gets, and writes
 ``zoo.md`` (one row per cell: pass, red with its first line, crash with its cause, skip with its
 reason, known or fixed), ``zoo.html`` (architecture x plan and mesh, coloured) and ``zoo.json`` (the
@@ -24,7 +26,8 @@ from html import escape
 
 from pathlib import Path
 
-LIBRARIES = ("transformers", "torchtitan")
+LIBRARIES = ("transformers", "torchtitan", "megatron")
+FRAMEWORKS = ("torchtitan", "megatron")  # zoos of a framework's own models: --meshes, CONFIGS, an install check
 TEST = '''\
 import pytest
 
@@ -129,7 +132,7 @@ def reproduce(library: str, cell: str, model: str) -> str:
     cfg = Config.parse(cell)
     plan = "tp" if cfg.impl == "tpfixed" else cfg.impl
     command = f"python -m harness.zoo {library} --only {model} --plans {plan}"
-    if library == "torchtitan":
+    if library in FRAMEWORKS:
         command += f" --meshes '{','.join(f'{d}={n}' for d, n in cfg.mesh)}'"
     if library == "transformers" and cfg.impl == "tpauto":
         command += f"; torchrun --nproc-per-node {cfg.degree('tp')} docs/zoo_repro.py {model}"
@@ -245,9 +248,9 @@ def _declared(why: str, library: str) -> str:
 
 
 def _models(library: str) -> list[str]:
-    """What ``--only`` may name: torchtitan's zoo models, or transformers' model types with a plan."""
+    """What ``--only`` may name: a framework zoo's models, or transformers' model types with a plan."""
     zoo = _zoo(library)
-    return list(zoo.CONFIGS) if library == "torchtitan" else zoo.architectures()
+    return list(zoo.CONFIGS) if library in FRAMEWORKS else zoo.architectures()
 
 
 def _zoo(library: str):
@@ -260,11 +263,13 @@ def _zoo(library: str):
 def run(args) -> int:
     library = args.command
     zoo = _zoo(library)
-    if library == "torchtitan":
+    if library in FRAMEWORKS:
+        from harness.zoo import ZooMissing
+
         try:
             zoo._shim()
-        except zoo.TorchtitanMissing as error:
-            print(f"python -m harness.zoo torchtitan: {error}", file=sys.stderr)
+        except ZooMissing as error:
+            print(f"python -m harness.zoo {library}: {error}", file=sys.stderr)
             return 2
     only = [m for m in args.only.split(",") if m]
     plans = tuple(p for p in args.plans.split(",") if p) or tuple(zoo.PLANS)
@@ -322,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     helps = {"transformers": ("check every architecture's shipped plans", "model types", "tp, tpauto, ep, tpep"),
              "torchtitan": ("check torchtitan's models under its own parallelize_fn", "models (llama3, qwen3)",
-                            "its DTensor backends, partial and full")}
+                            "its DTensor backends, partial and full"),
+             "megatron": ("check Megatron-Core's GPTModel under its own parallel_state, DDP and finalize_model_grads",
+                          "models (gpt, qknorm, moe, moeshared)", "ddp")}
     zoos = {}
     for library in LIBRARIES:
         what, only, plans = helps[library]
@@ -331,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         zoo.add_argument("--plans", default="", help=f"of {plans} (default: all)")
         zoo.add_argument("--out", type=Path, default=Path("zoo-out"), help="where zoo.md, zoo.html and zoo.json go")
         zoo.add_argument("-n", default="auto", help="pytest-xdist workers (default: auto)")
-        if library == "torchtitan":
+        if library in FRAMEWORKS:
             zoo.add_argument("--meshes", action="append", help="meshes, ';' between them or the option repeated, "
                                                                 "e.g. 'dp=2;dp=2,tp=2' (default: every one the zoo runs)")
     compared = sub.add_parser("diff", help="what changed between two zoo.json files (two releases)")

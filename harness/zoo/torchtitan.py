@@ -5,7 +5,9 @@ Each cell runs what torchtitan's trainer runs, in its order: the model's config 
 layer builder, shrunk (:data:`SIZES`), updated from the job's ``ParallelismConfig`` (the cell's
 degrees, its implementation's SPMD backend, sequence parallel as its ``sp`` switch), built on meta,
 ``to_empty`` and ``init_weights``; then the registry's ``parallelize_fn`` over torchtitan's own
-``ParallelDims`` (its ``build_mesh`` over the cell's world), or on a pp mesh its ``pipelining_fn``
+``ParallelDims`` (its ``build_mesh`` over the cell's world; a tied model, in the trainer's own order:
+parallelized on meta, materialised, which re-ties it, then the seeded start loaded by name), or on a
+pp mesh its ``pipelining_fn``
 (the stages split from the model, each parallelized, and the schedule the cell's ``sched`` switch
 names, handed to the harness as :class:`harness.model.Pipelined`); inputs and labels as
 ``Trainer.forward_backward_step`` hands them over; torchtitan's ``cross_entropy_loss`` (a sum) over
@@ -33,9 +35,10 @@ from importlib.util import find_spec
 import torch
 
 from harness.known import Known
-from harness.model import ModelCase, Pipelined, model_cells, running, switches
+from harness.model import ModelCase, Pipelined, load_shards, model_cells, running, switches
 from harness.model.register import model_component
 from harness.registry import register_component
+from harness.zoo import ZooMissing
 
 VERSION = "0.3.0"  # the release the shims and tiny configs are written against
 INSTALL = f"pip install -e '.[torchtitan]' && pip install --no-deps torchtitan=={VERSION}"
@@ -47,8 +50,7 @@ MESHES = ("dp=2", "tp=2", "dp=2,tp=2", "rep=2,dp=2", "rep=2,tp=2", "dp=4", "dp=2
           "pp=2", "pp=2,dp=2", "pp=2,tp=2")
 # registry models the zoo cannot run here, with why (every other model of the registry is built below)
 NOT_RUN = {
-    "qwen3 (tied)": "tied embeddings need the trainer's order with the start loaded by name after "
-                    "parallelize: parallelizing a built model unties them",
+    "qwen3 tied, pp meshes": "torchtitan ties no weights under pipeline parallel (NotImplementedError)",
     "kimi_k2_7": "not wired yet (deepseek_v3 is: its attention, experts, router and dispatchers are theirs too)",
     "qwen3 moe, full_dtensor, rep=2,dp=2,tp=2 with ep=2": "its 8 ranks hang past the 300 s deadline on CPU/gloo "
                                                          "(partial_dtensor passes the same mesh); not triaged",
@@ -60,7 +62,7 @@ NOT_RUN = {
 }
 
 
-class TorchtitanMissing(RuntimeError):
+class TorchtitanMissing(ZooMissing):
     pass
 
 
@@ -148,9 +150,10 @@ def _llama3():
             attn_backend="flex"))
 
 
-def _qwen3(moe: bool = False):
-    """qwen3, untied, with its q/k norms; ``moe``: its MoE layers (``SIZES``' experts, top-k, softmax
-    router, the all-to-all dispatcher when ep > 1) in place of the dense FFN."""
+def _qwen3(moe: bool = False, tied: bool = False):
+    """qwen3 with its q/k norms; ``moe``: its MoE layers (``SIZES``' experts, top-k, softmax router,
+    the all-to-all dispatcher when ep > 1) in place of the dense FFN; ``tied``: its embedding and
+    output head one parameter, as its shipped sizes up to 4B have them."""
     from torchtitan.models import qwen3
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 
@@ -161,7 +164,7 @@ def _qwen3(moe: bool = False):
                                             moe_comm_backend="standard", **shared) if moe
               else qwen3._build_qwen3_layers(hidden_dim=2 * s["dim"], **shared))
     return qwen3.Qwen3Model.Config(
-        dim=s["dim"], vocab_size=s["vocab"], enable_weight_tying=False,
+        dim=s["dim"], vocab_size=s["vocab"], enable_weight_tying=tied,
         tok_embeddings=Embedding.Config(num_embeddings=s["vocab"], embedding_dim=s["dim"],
                                         param_init=qwen3._EMBEDDING_INIT),
         norm=qwen3._qwen3_norm(s["dim"]),
@@ -201,7 +204,9 @@ def _experts_in_their_dtype(self, x_RD, num_tokens_per_expert_E):
     return self._grouped_mm(A=h, B_t=w2.transpose(-2, -1), offs=offsets)
 
 
-CONFIGS = {"llama3": _llama3, "qwen3": _qwen3, "qwen3_moe": lambda: _qwen3(moe=True), "deepseek_v3": _deepseek_v3}
+CONFIGS = {"llama3": _llama3, "qwen3": _qwen3, "qwen3_tied": lambda: _qwen3(tied=True),
+           "qwen3_moe": lambda: _qwen3(moe=True), "deepseek_v3": _deepseek_v3}
+TIED = ("qwen3_tied",)  # torchtitan ties no weights under pp ("not supported with Pipeline Parallel")
 MOE = ("qwen3_moe", "deepseek_v3")
 EXPERT_DEGREES = ("1", "2", "4")
 # the MoE models' meshes: (dense mesh, ep, backends that cannot run it here: NOT_RUN says why), ep
@@ -229,7 +234,7 @@ def _known(cfg) -> Known | None:
 
 def _module(model: str) -> str:
     """The torchtitan package of a zoo model (its registry and ``parallelize_fn``)."""
-    return f"torchtitan.models.{model.removesuffix('_moe')}"
+    return f"torchtitan.models.{model.removesuffix('_moe').removesuffix('_tied')}"
 
 
 # ---- one case per model: the trainer's order ----------------------------------------------------------------
@@ -261,15 +266,23 @@ def _config(model: str, parallelism):
 
 
 def _build(model: str):
+    return _materialised(_on_meta(model))
+
+
+def _on_meta(model: str):
+    """The model as the trainer first builds it: on meta, from the job's config."""
     from torchtitan.distributed import utils as dist_utils
 
     parallelism = _parallelism()
     # the trainer sets the process's backend before it builds: building under another one (the module's
     # default, or the last cell's) makes full_dtensor's fully_shard reject the parameters' meshes
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
-    config = _config(model, parallelism)
     with torch.device("meta"):
-        built = config.build()
+        return _config(model, parallelism).build()
+
+
+def _materialised(built):
+    """``to_empty`` and ``init_weights``, as the trainer materialises a model (parallelized or not)."""
     built.to_empty(device="cpu")
     with torch.no_grad():
         built.init_weights(buffer_device=torch.device("cpu"))
@@ -332,6 +345,12 @@ def _parallelize(model_name: str):
                 **common)
             # it returns the stages' modules, not the stages: the schedule holds them (one, or a rank's several)
             made = Pipelined(stages=getattr(schedule, "_stages", None) or [schedule._stage], schedule=schedule)
+        elif model_name in TIED:
+            # the trainer's order: parallelize on meta, materialise (init_weights re-ties the embedding to
+            # the output head), then the start loaded by name as its checkpoint would be; parallelizing
+            # the built model instead leaves the two parameters apart
+            made = _materialised(spec.parallelize_fn(_on_meta(model_name), **common))
+            load_shards(made, model, {})
         else:
             made = spec.parallelize_fn(model, **common)
         for part in made.modules if isinstance(made, Pipelined) else [made]:
@@ -377,7 +396,8 @@ def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = PLANS,
         # an MoE model runs the meshes of MOE_MESHES that were asked for, each with its ep
         # a dense model runs every mesh asked for, full_dtensor none with pp (NOT_RUN says why)
         chosen = ([m for m in MOE_MESHES if m[0] in meshes] if model in MOE else
-                  [(m, None, ("full",) if "pp=" in m else ()) for m in meshes])
+                  [(m, None, ("full",) if "pp=" in m else ()) for m in meshes
+                   if not (model in TIED and "pp=" in m)])
         for mesh, ep, cannot in chosen:
             runs = [plan for plan in plans if plan not in cannot]
             if not runs:

@@ -1,0 +1,402 @@
+"""Megatron-Core's ``GPTModel``, parallelized by Megatron-Core's own code, against one process
+(``python -m harness.zoo megatron``; docs/zoo.md).
+
+Each cell runs what a Megatron-Core training loop runs: ``parallel_state.initialize_model_parallel``
+with the cell's degrees (tp, pp, and ep from the ``ep`` switch, borrowed from the data ranks as
+Megatron borrows it), a ``GPTModel`` (a pipeline stage of one) from Megatron-Core's own layer spec
+(``get_gpt_layer_local_spec``: no Transformer Engine) built already sharded under that state, the
+seeded start loaded into it by name (:func:`harness.model.load_shards`, by :data:`PLACEMENTS`: where
+Megatron's layers keep their pieces; a local expert or a stage's layer by its global name), its
+``DistributedDataParallel``, the loss from its own ``labels`` path (``vocab_parallel_cross_entropy``)
+as a mean over the rank's tokens (on a pp mesh through its own ``get_forward_backward_func``), and
+before each optimizer step its ``finalize_model_grads`` (data-parallel all-reduce, the
+sequence-parallel and q/k norms' all-reduce over tp), each ``main_grad`` then handed over as the
+gradient: all of it as :class:`harness.model.Parallelized`. The one-process model is the same
+``GPTModel`` built over process groups of one rank.
+
+CPU shims, none touching the parallel math (:func:`_shim`, each with its reason).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from importlib.util import find_spec
+
+import torch
+import torch.nn.functional as F
+
+from harness.layout import Shard
+from harness.model import ModelCase, Parallelized, load_shards, model_cells, running, switches
+from harness.model.register import model_component
+from harness.registry import register_component
+from harness.zoo import ZooMissing
+
+VERSION = "0.16.1"  # the release the shims and tiny configs are written against
+INSTALL = "pip install -e '.[megatron]'"
+# seq differs from batch and from batch over dp: Megatron's activations are [s, b, h] (a sequence-
+# parallel one [s/tp, b, h]) where the one-process model's embedding returns [b, s, h], and no shape
+# of one may pass for a shard of the other in a failing cell's diagnosis
+SIZES = dict(vocab=64, hidden=64, heads=8, groups=4, layers=2, ffn=128, batch=8, seq=12, experts=4, top_k=2)
+PLANS = ("ddp",)  # Megatron-Core's DistributedDataParallel with finalize_model_grads
+# of a pipeline's step (1F1B): a bug that scales by their count then shows a factor no pp degree has
+MICROBATCHES = 4
+MESHES = ("tp=2", "dp=2", "dp=2,tp=2", "tp=4", "dp=4", "pp=2", "pp=2,dp=2", "pp=2,tp=2")
+# where a sharded GPTModel's layers keep their pieces of the whole model's tensors, over tp (and over
+# the expert-tensor-parallel ranks, which are tp's here: etp = tp): the column-parallel layers on dim 0
+# (fc1 as [gate; up] of each rank's chunk, linear_qkv whole query groups), the row-parallel ones on 1
+PLACEMENTS = {
+    "embedding.word_embeddings.weight": {"tp": Shard(0)},
+    "output_layer.weight": {"tp": Shard(0)},
+    "*.linear_qkv.weight": {"tp": Shard(0)},
+    "*.linear_qkv.bias": {"tp": Shard(0)},
+    "*.linear_proj.weight": {"tp": Shard(1)},
+    "*.linear_fc1.weight": {"tp": Shard(0, packs=2)},
+    "*.linear_fc1.bias": {"tp": Shard(0, packs=2)},
+    "*.linear_fc2.weight": {"tp": Shard(1)},
+}
+# registry models the zoo cannot run here, with why
+NOT_RUN = {
+    "all-to-all dispatcher with tp": "gloo has no uneven all_gather, which it needs where tp splits too",
+    "multi-latent attention, Transformer Engine specs": "they need Transformer Engine (CUDA)",
+    "bf16": "Megatron's fp32 main parameters live in its optimizer (Float16Module); not wired yet",
+    "expert biases": "add_bias_linear with MoE raises in the experts' in-place bias add (a view of a custom "
+                     "Function's output)",
+    "expert tp other than tp": "ModelCase.placements are fixed per case, and such experts' pieces lie over "
+                               "other ranks than tp's; not wired yet",
+    "interleaved (virtual) pipeline schedule": "not wired yet (1F1B is)",
+    "vocabularies that do not divide tp": "GPTModel refuses them; the padding to a multiple is megatron.training's",
+}
+
+
+class MegatronMissing(ZooMissing):
+    pass
+
+
+class _SequenceParallelNorm:
+    """torch's norm with its parameters marked ``sequence_parallel`` as Megatron's fused and TE norms
+    mark them (so that ``finalize_model_grads`` all-reduces their gradients over tp): the local
+    spec's ``WrappedTorchNorm`` refuses sequence parallelism outright."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
+        norm = (torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm)(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+class _NoStream:
+    """A CUDA stream or event on a CPU, where everything is synchronous."""
+
+    def __getattr__(self, name):  # wait_stream, wait_event, synchronize, record_stream, ...
+        return lambda *args, **kwargs: self
+
+    def query(self) -> bool:
+        return True
+
+
+class _OnCpu:
+    """``torch`` for Megatron's schedules module, but ``zeros`` on a CUDA device made on the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, **kwargs):
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=1)
+def _shim() -> types.ModuleType:
+    """Import Megatron-Core for a CPU, once per process; its ``megatron.core`` package."""
+    if find_spec("megatron") is None or find_spec("megatron.core") is None:
+        raise MegatronMissing(f"the Megatron-Core zoo needs megatron-core {VERSION}, which is not installed: {INSTALL}")
+    import warnings
+
+    from torch._dynamo.mutation_guard import install_generation_tagging_init
+
+    with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed": known, by design
+        warnings.simplefilter("ignore")
+        import megatron.core
+        import megatron.core.jit
+
+        # Megatron's own switch: the @jit_fuser functions made from here on (the experts') run eagerly,
+        # where torch.compile would compile C++ in every cell
+        megatron.core.jit.disable_jit_fuser()
+        import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401  (imports the experts)
+        import megatron.core.transformer.moe.moe_utils as moe_utils
+        from megatron.core.distributed import DistributedDataParallel  # noqa: F401  (imported before a pool forks)
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads  # noqa: F401
+        from megatron.core.models.gpt import GPTModel  # noqa: F401
+        from megatron.core.pipeline_parallel import schedules
+        from megatron.core.transformer.moe import token_dispatcher
+        from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    # the router's @jit_fuser method was compiled as megatron.core imported; its first call installs
+    # dynamo's tagging of nn.Module.__init__: installed here, before a pool forks, it is every
+    # process's start and not a cell's change
+    install_generation_tagging_init()
+    if not torch.cuda.is_available():  # no other code of the process can be using CUDA
+        # its buffers are allocated on torch.cuda.current_device(); the all-to-all dispatcher
+        # synchronises on CUDA streams: the CPU's device, and streams that are no-ops
+        torch.cuda.current_device = lambda: "cpu"
+        torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
+        torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+        token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()
+    # its pipeline schedules count tokens in torch.zeros(..., device="cuda"): the CPU's, for that module alone
+    schedules.torch = _OnCpu()
+    # the all-to-all dispatcher's split sizes become numpy arrays only on their way off a GPU; on the
+    # CPU they stayed tensors, which all_to_all_single does not take as sizes
+    moved = token_dispatcher.maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = lambda tensor, as_numpy=False, record_stream=False: (
+        tensor.numpy() if as_numpy and torch.is_tensor(tensor) else moved(tensor, as_numpy=as_numpy))
+    # defined only by Transformer Engine's import; None takes the router's torch.mm path (an upstream
+    # bug: without TE every MoE forward raises NameError)
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    # its inference tracker: fork() a no-op (no dropout here), where the CUDA tracker seeds CUDA generators
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    return megatron.core
+
+
+def version() -> str:
+    from importlib.metadata import version as installed
+
+    return installed("megatron-core")
+
+
+# ---- the models, tiny, from Megatron-Core's own config and layer spec -----------------------------------
+def _config(model: str, tp: int = 1, ep: int = 1, sp: bool = False, pp: int = 1):
+    """The ``TransformerConfig`` of a zoo model on ``tp``, ``ep`` and ``pp`` ranks."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    s, own = SIZES, dict(CONFIGS[model])
+    if model in MOE:
+        own.update(num_moe_experts=s["experts"], moe_router_topk=s["top_k"],
+                   moe_token_dispatcher_type=switches()["dispatcher"], moe_grouped_gemm=False, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                   moe_ffn_hidden_size=s["ffn"], moe_permute_fusion=False, moe_router_fusion=False,
+                   expert_model_parallel_size=ep)
+    return TransformerConfig(
+        num_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
+        num_query_groups=s["groups"], ffn_hidden_size=s["ffn"], kv_channels=s["hidden"] // s["heads"],
+        gated_linear_unit=True, activation_func=F.silu, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, sequence_parallel=sp, params_dtype=torch.float32,
+        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, use_cpu_initialization=True,
+        batch_p2p_sync=False,  # its p2p sync is torch.cuda.synchronize()
+        # the fused kernels are CUDA's; these are their unfused torch paths
+        bias_activation_fusion=False, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        cross_entropy_loss_fusion=False, **own)
+
+
+# each model's own settings: the configurations Megatron's users combine
+CONFIGS = {
+    "gpt": dict(normalization="LayerNorm", add_bias_linear=True),
+    "qknorm": dict(normalization="RMSNorm", add_bias_linear=False, qk_layernorm=True),
+    "moe": dict(normalization="RMSNorm", add_bias_linear=False),
+    "moeshared": dict(normalization="RMSNorm", add_bias_linear=False, moe_shared_expert_intermediate_size=64,
+                      moe_router_score_function="sigmoid", moe_router_enable_expert_bias=False),
+}
+MOE = ("moe", "moeshared")
+DISPATCHERS = ("allgather", "alltoall")  # the MoE models' token dispatchers (their ``dispatcher`` switch)
+# the MoE models' meshes: (mesh, ep), ep borrowed from the data ranks as Megatron borrows it
+MOE_MESHES = (("pp=2,dp=2", "2"), ("dp=2", "1"), ("dp=2", "2"), ("dp=4", "4"), ("dp=4", "2"), ("dp=2,tp=2", "1"), ("dp=2,tp=2", "2"), ("tp=2", "1"))
+
+
+def _spec(model: str, config):
+    """Megatron-Core's local layer spec, its norms marked for sequence parallelism."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer = get_gpt_layer_local_spec(num_experts=SIZES["experts"] if model in MOE else None, moe_grouped_gemm=False,
+                                     qk_layernorm=config.qk_layernorm)
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = _SequenceParallelNorm
+    if config.qk_layernorm:
+        attention = layer.submodules.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = _SequenceParallelNorm
+    layers = get_num_layers_to_build(config) if config.pipeline_model_parallel_size > 1 else config.num_layers
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=_SequenceParallelNorm)
+
+
+def _gpt(model: str, config, pg_collection=None, first: bool = True, last: bool = True):
+    """``first``, ``last``: whether it is the pipeline's first (embedding) and last (head) stage."""
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(config=config, transformer_layer_spec=_spec(model, config), vocab_size=SIZES["vocab"],
+                    max_sequence_length=SIZES["seq"], parallel_output=True, position_embedding_type="rope",
+                    share_embeddings_and_output_weights=False, pg_collection=pg_collection, pre_process=first,
+                    post_process=last)
+
+
+_ONE: dict = {}  # this process's group of itself alone
+
+
+def _alone():
+    """A ``ProcessGroupCollection`` of this rank alone for every group: the one-process model, built
+    on any rank without a collective the others must join."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if "group" not in _ONE:
+        _ONE["group"] = dist.group.WORLD if dist.get_world_size() == 1 else \
+            dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # its attention's scratch, rank-local
+        parallel_state._set_global_memory_buffer()
+    g = _ONE["group"]
+    return ProcessGroupCollection(tp=g, pp=g, cp=g, tp_cp=g, ep=g, expt_tp=g, tp_ep=g, tp_ep_pp=g, dp=g, dp_cp=g,
+                                  expt_dp=g, embd=g, pos_embd=g, tp_dp_cp=g, intra_dp_cp=g, intra_expt_dp=g, mp=g)
+
+
+def _build(model: str):
+    _shim()
+    return _gpt(model, _config(model), _alone())
+
+
+def batch(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, SIZES["vocab"], (SIZES["batch"], SIZES["seq"] + 1), generator=g)
+    return {"input": tokens[:, :-1].contiguous(), "target": tokens[:, 1:].contiguous()}
+
+
+def forward(model, batch):
+    """Each token's loss: through the model's own ``labels`` path (``vocab_parallel_cross_entropy``
+    over its tp group) where tp splits it; the one-process model's from its logits (that path reads
+    ``parallel_state``'s global group, not the model's own)."""
+    b, s = batch["input"].shape
+    if model.pg_collection.tp.size() > 1:
+        return model(batch["input"], *_positions(b, s), labels=batch["target"])
+    logits = model(batch["input"], *_positions(b, s))
+    return F.cross_entropy(logits.flatten(0, 1), batch["target"].flatten(), reduction="none").view(b, s)
+
+
+def _positions(b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids, and the causal mask (masked where True) that the local attention needs given."""
+    return torch.arange(s).expand(b, s), torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
+
+
+def loss(output, batch):
+    return output.float().mean()
+
+
+def _parallelize(model_name: str):
+    def parallelize(whole, meshes):
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        cell = running()
+        tp, ep, pp = cell.mesh.get("tp", 1), int(cell.switches.get("ep", 1)), cell.mesh.get("pp", 1)
+        parallel_state.destroy_global_memory_buffer()  # initialize_model_parallel makes its own
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                                 pipeline_model_parallel_size=pp)
+        config = _config(model_name, tp, ep, sp=switches()["sp"] == "on", pp=pp)
+        gpt = _gpt(model_name, config, first=parallel_state.is_pipeline_first_stage(),
+                   last=parallel_state.is_pipeline_last_stage())
+        global_name = _global_names(get_transformer_layer_offset(config) if pp > 1 else 0,
+                                    parallel_state.get_expert_model_parallel_rank() * (SIZES["experts"] // ep))
+        load_shards(gpt, whole, PLACEMENTS, global_name)
+        ddp = DistributedDataParallel(config=config, module=gpt, ddp_config=DistributedDataParallelConfig(
+            overlap_grad_reduce=False, use_distributed_optimizer=False))
+
+        def before_step():
+            finalize_model_grads([ddp])
+            for p in gpt.parameters():
+                p.grad = p.main_grad.clone()
+            ddp.zero_grad_buffer()
+
+        # a rank names its local experts and its stage's layers locally: held by some ranks only
+        return Parallelized(gpt, step=_pipeline(ddp) if pp > 1 else None, before_step=before_step,
+                            global_name=global_name if ep > 1 or pp > 1 else None)
+    return parallelize
+
+
+def _global_names(layers: int, experts: int):
+    """A rank's parameter name -> the whole model's: a pipeline stage's ``decoder.layers.<i>`` is
+    layer ``layers + i``, an expert-parallel rank's ``local_experts.<i>`` expert ``experts + i``."""
+    def global_name(name: str) -> str:
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            parts[2] = str(layers + int(parts[2]))
+        if "local_experts" in parts:
+            at = parts.index("local_experts") + 1
+            parts[at] = str(experts + int(parts[at]))
+        return ".".join(parts)
+    return global_name
+
+
+def _pipeline(ddp):
+    """A step through Megatron's own pipeline schedule (``get_forward_backward_func``: 1F1B), over
+    :data:`MICROBATCHES` microbatches of the rank's rows, each loss a mean over its tokens; every
+    stage returns the last stage's mean of them."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data, model):
+        tokens, labels = next(data)
+        output = model(tokens, *_positions(*tokens.shape), labels=labels)
+        return output, lambda out: (out.float().mean(), {"loss": out.float().mean().detach()})
+
+    def step(batch):
+        rows = batch["input"].shape[0] // MICROBATCHES
+        data = iter([(batch["input"][i * rows:(i + 1) * rows], batch["target"][i * rows:(i + 1) * rows])
+                     for i in range(MICROBATCHES)])
+        losses = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=[ddp],
+                                             num_microbatches=MICROBATCHES, seq_length=SIZES["seq"],
+                                             micro_batch_size=rows, forward_only=False)
+        loss = torch.stack([x["loss"] for x in losses]).mean() if parallel_state.is_pipeline_last_stage() \
+            else torch.zeros(())
+        dist.all_reduce(loss, group=parallel_state.get_pipeline_model_parallel_group())
+        return loss
+    return step
+
+
+def case(model: str) -> ModelCase:
+    """The cell family of one Megatron-Core model (registered as ``harness.zoo.megatron:case(<model>)``)."""
+    _shim()  # megatron-core missing: how to install it
+    moe = model in MOE
+    return ModelCase(build=lambda: _build(model), batch=batch, loss=loss, forward=forward,
+                     parallelize={plan: _parallelize(model) for plan in PLANS}, placements=PLACEMENTS,
+                     switches={"sp": ("off", "on"),
+                               **({"ep": ("1", "2", "4"), "dispatcher": DISPATCHERS} if moe else {})},
+                     acts_with={"sp": ("tp",)}, judge_plain_activations=False)
+
+
+def name_of(model: str) -> str:
+    return "mc" + model
+
+
+def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = PLANS,
+              meshes: tuple[str, ...] = MESHES) -> list:
+    """Register each model (``only``: these) and return its cells: every plan of ``plans`` on every
+    mesh of ``meshes`` (an MoE model: those of :data:`MOE_MESHES`, each with its ep), sequence
+    parallel on and off where tp splits, off elsewhere."""
+    out = []
+    for model in only or CONFIGS:
+        if model not in CONFIGS:
+            raise ValueError(f"no Megatron-Core model {model!r} in the zoo; it has {', '.join(CONFIGS)}")
+        # fresh: Megatron's parallel_state and its global buffers are module globals of the rank
+        register_component(model_component(name_of(model), f"harness.zoo.megatron:case({model})", list(plans),
+                                           preload=("harness.zoo.megatron",), fresh=True))
+        chosen = [m for m in MOE_MESHES if m[0] in meshes] if model in MOE else [(m, None) for m in meshes]
+        for mesh, ep in chosen:
+            # Megatron refuses MoE under tp without sequence parallelism ("performance may degrade")
+            sp = ["on"] if model in MOE and "tp=" in mesh else ["off", "on"] if "tp=" in mesh else ["off"]
+            # the all-to-all dispatcher with tp needs an uneven all_gather, which gloo has not (NOT_RUN)
+            own = {"ep": [ep], "dispatcher": list(DISPATCHERS[:1] if "tp=" in mesh else DISPATCHERS)} \
+                if model in MOE else {}
+            out += model_cells(name_of(model), impls=list(plans), meshes=[mesh], switches={"sp": sp, **own})
+    if not out:
+        raise ValueError(f"no cell of {', '.join(only or CONFIGS)} on {'; '.join(meshes)}: the MoE models run "
+                         f"{'; '.join(sorted({m[0] for m in MOE_MESHES}))}")
+    return out
+
+
+try:  # here, so that a pool's keeper, which imports this module before it forks, imports Megatron-Core once
+    _shim()
+except MegatronMissing:
+    pass  # case() says how to install it

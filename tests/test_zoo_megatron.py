@@ -1,0 +1,109 @@
+"""``python -m harness.zoo megatron`` as a user runs it, from a directory of their own: Megatron-Core's
+``GPTModel`` under its own ``parallel_state``, DDP, ``finalize_model_grads`` and pipeline schedule,
+green on tp with sequence parallel on and off, on a pipeline and on expert parallel; bugs planted in a
+copy of the installed Megatron-Core (the sequence-parallel norms' all-reduce over tp skipped, the
+allgather dispatcher's routing probabilities detached, the pipeline's loss left undivided by its
+microbatches) red where they act, named where they start, and green where they do not."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
+
+pytest.importorskip("megatron.core", reason="the Megatron-Core zoo needs megatron-core (README's thirdparty extra)")
+
+
+def zoo(cwd: Path, *args, env=None) -> dict:
+    done = subprocess.run([sys.executable, "-m", "harness.zoo", "megatron", *args, "-n", "1", "--out", "out"],
+                          cwd=cwd, env=env or env_for(cwd), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = json.loads((cwd / "out" / "zoo.json").read_text())
+    assert found["library"] == "megatron", found
+    return {r["cell"]: r for r in found["cells"]}
+
+
+def cell(model: str, mesh: str, switches: str) -> str:
+    return f"mc{model}-ddp-{mesh}-fp32-{switches}-steps3-seed0"
+
+
+def test_megatrons_own_tp_sp_pipeline_and_expert_parallel_are_green(tmp_path):
+    found = zoo(tmp_path, "--only", "gpt,moe", "--meshes", "dp=2,tp=2;pp=2")
+    assert {c: r["verdict"] for c, r in found.items()} == {
+        cell("gpt", "dp2.tp2", "sp_off"): "pass", cell("gpt", "dp2.tp2", "sp_on"): "pass",
+        cell("gpt", "pp2", "sp_off"): "pass",
+        # Megatron runs MoE under tp with sequence parallelism only, and its all-to-all dispatcher
+        # with tp not on gloo (NOT_RUN)
+        cell("moe", "dp2.tp2", "dispatcher_allgather.ep_1.sp_on"): "pass",
+        cell("moe", "dp2.tp2", "dispatcher_allgather.ep_2.sp_on"): "pass"}, found
+
+
+def plant(tmp_path: Path, file: str, old: str, new: str) -> None:
+    path = tmp_path / "planted" / "megatron" / "core" / file
+    text = path.read_text()
+    assert text.count(old) == 1, (file, old)
+    path.write_text(text.replace(old, new))
+
+
+def test_bugs_planted_in_megatron_are_red_where_they_act_and_named_where_they_start(tmp_path):
+    import megatron.core
+
+    shutil.copytree(Path(megatron.core.__file__).parents[1], tmp_path / "planted" / "megatron")
+    # sequence-parallel norms' gradients left unreduced over tp (Megatron-LM's trackers: final-layernorm
+    # gradients that differ across TP ranks with SP)
+    plant(tmp_path, "distributed/finalize_model_grads.py",
+          'elif (config.sequence_parallel and getattr(param, "sequence_parallel", False)) or (', "elif False or (")
+    # the allgather dispatcher's routing probabilities detached where tokens cross ranks (tp or ep > 1)
+    plant(tmp_path, "transformer/moe/token_dispatcher.py",
+          "probs = gather_from_sequence_parallel_region(probs, group=self.tp_ep_group)",
+          "probs = gather_from_sequence_parallel_region(probs.detach(), group=self.tp_ep_group)")
+    # a pipeline's microbatch losses not divided by their count
+    plant(tmp_path, "pipeline_parallel/schedules.py",
+          "output_tensor *= cp_group_size\n                output_tensor /= num_microbatches",
+          "output_tensor *= cp_group_size")
+    env = dict(env_for(tmp_path), PYTHONPATH=os.pathsep.join([str(tmp_path / "planted"), env_for(tmp_path)["PYTHONPATH"]]))
+    found = zoo(tmp_path, "--only", "gpt,moe", "--meshes", "tp=2;dp=2;pp=2", env=env)
+    red = {c: r["why"] for c, r in found.items() if r["verdict"] != "pass"}
+    assert sorted(red) == sorted([cell("gpt", "tp2", "sp_on"), cell("gpt", "pp2", "sp_off"),
+                                  cell("moe", "dp2", "dispatcher_allgather.ep_2.sp_off"),
+                                  cell("moe", "tp2", "dispatcher_allgather.ep_1.sp_on")]), found
+    assert all(found[c]["verdict"] == "red" for c in red), found
+    # where the plants do not act: tp without SP, data parallel, MoE without tokens crossing ranks
+    # (ep 1), and the all-to-all dispatcher, which the plant does not touch
+    assert {c for c, r in found.items() if r["verdict"] == "pass"} == {
+        cell("gpt", "tp2", "sp_off"), cell("gpt", "dp2", "sp_off"), cell("moe", "dp2", "dispatcher_allgather.ep_1.sp_off"),
+        cell("moe", "dp2", "dispatcher_alltoall.ep_1.sp_off"), cell("moe", "dp2", "dispatcher_alltoall.ep_2.sp_off")}, found
+    for sp in (cell("gpt", "tp2", "sp_on"), cell("moe", "tp2", "dispatcher_allgather.ep_1.sp_on")):
+        assert red[sp].startswith("first diverging module: decoder.final_layernorm (parameter gradients, step 1)") \
+            and "partial sums over tp (summed they match the reference): their all-reduce over tp is missing" in red[sp], red[sp]
+    assert red[cell("moe", "dp2", "dispatcher_allgather.ep_2.sp_off")].startswith(
+        "first diverging module: decoder.layers.1.mlp.router (parameter gradients, step 1)"), red
+    assert red[cell("gpt", "pp2", "sp_off")].startswith("first diverging module: output_layer (parameter gradients, step 1)"), red
+
+
+def test_without_megatron_core_the_zoo_says_how_to_install_it(tmp_path):
+    # a Python that finds no megatron.core: an empty megatron package first on the path
+    hidden = tmp_path / "hidden" / "megatron"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("")  # a regular package: it hides the installed namespace package
+    env = dict(env_for(tmp_path), PYTHONPATH=os.pathsep.join([str(tmp_path / "hidden"), env_for(tmp_path)["PYTHONPATH"]]))
+    done = subprocess.run([sys.executable, "-m", "harness.zoo", "megatron"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().endswith("not installed: pip install -e '.[megatron]'"), done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "zoo-out").exists()
+
+
+def test_the_nightly_megatron_job_installs_and_runs_as_tested_here():
+    from tests.test_workflow import WORKFLOWS, lint, load
+
+    workflow = WORKFLOWS / "zoo.yml"
+    done = lint(workflow)
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = {s["name"]: s for s in load(workflow)["jobs"]["megatron"]["steps"] if "name" in s}
+    assert ".[megatron]" in steps["Install (as docs/zoo.md)"]["run"]
+    assert steps["Zoo"]["run"].startswith(".venv/bin/python -m harness.zoo megatron ")
