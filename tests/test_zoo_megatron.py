@@ -83,6 +83,9 @@ def test_bugs_planted_in_megatron_are_red_where_they_act_and_named_where_they_st
     assert red[cell("moe", "dp2", "dispatcher_allgather.ep_2.sp_off")].startswith(
         "first diverging module: decoder.layers.1.mlp.router (parameter gradients, step 1)"), red
     assert red[cell("gpt", "pp2", "sp_off")].startswith("first diverging module: output_layer (parameter gradients, step 1)"), red
+    # the schedule's own microbatches name the factor (its 4 calls of each module in a step)
+    failures = " ".join((tmp_path / "out" / "junit.xml").read_text().split())  # as wrapped for a terminal
+    assert "output_layer: mismatch, norm ratio 4: the reference x 4 = microbatches" in failures, failures[-3000:]
 
 
 def test_without_megatron_core_the_zoo_says_how_to_install_it(tmp_path):

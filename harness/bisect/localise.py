@@ -131,6 +131,8 @@ class Localisation:
     scaled_results: dict[str, str] = field(default_factory=dict)
     # the comparison of this run's end result (None where it crashed or could not be assembled)
     report: object = None
+    # the most calls of one module in step 1 on a rank: a trainer's own pipeline schedule's microbatches
+    microbatches: int = 1
     # the component's own diagnosis of the cell (Component.diagnose: what pytest prints under its
     # table), first in the summary; set by located()
     diagnosis: str = ""
@@ -460,7 +462,8 @@ def localise(cfg: Config | Cell, pool: Pool, complete: bool = False) -> Localisa
     found = Localisation(len(reference), len(parallel), result_ok=result_ok,
                          errors={r: got["error"] for r, got in per_rank.items() if got["error"]},
                          partial_results=partial_results, mean_results=mean_results, scaled_results=scaled_results,
-                         report=report)
+                         report=report, microbatches=1 + max((int(n) for key in parallel if " step=1 " in f" {key} "
+                                                              for n in re.findall(r"microbatch=(\d+)", key)), default=0))
     designed: dict[str, list[str]] = {}  # forward event -> its tensors per rank by design
     for want in reference:
         ranks = parallel.get(want.key)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from itertools import combinations
 
 from ..compare.diff import Report
+from ..names import DEGREES
 
 FAILURES = ("crash", "hang", "nan", "scale", "mismatch", "bad")
 FIT = 0.01  # a scaled tensor is within 1% (bf16 rounding and more) of factor * reference
@@ -71,7 +72,7 @@ def groups_of_size(k: int, mesh=()) -> list[str]:
 def factor_text(ratio: float, fit_residual: float, mesh=()) -> str | None:
     """``x 1/2 = 1/dp``: a tensor of norm ``ratio`` times the reference's that is the reference times
     a whole factor (``fit_residual`` below :data:`FIT`), or one over it, named with the groups of
-    ``mesh`` of that size (``= 1/dp or 1/tp`` where two are; ``= 1/rep·dp (the world)`` where the
+    ``mesh`` of that size (it may name a step's ``microbatches`` too) (``= 1/dp or 1/tp`` where two are; ``= 1/rep·dp (the world)`` where the
     dims that make it are every dim of the world: a division by the world size); None when it is no
     such multiple."""
     k = whole_factor(ratio)
@@ -79,7 +80,7 @@ def factor_text(ratio: float, fit_residual: float, mesh=()) -> str | None:
         return None
     over = "" if ratio > 1 else "1/"
     groups = groups_of_size(k, mesh)
-    split = [degree for _, degree in mesh if degree > 1]
+    split = [degree for name, degree in mesh if degree > 1 and name in DEGREES]  # not a step's microbatches
     world = " (the world)" if len(split) > 1 and k == math.prod(split) else ""
     return f"x {over}{k}" + (" = " + " or ".join(over + g for g in groups) if groups else "") + world
 

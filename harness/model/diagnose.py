@@ -39,7 +39,7 @@ def diagnose(case: ModelCase, cfg: Config, pool, report, rerun: bool) -> Diagnos
         return Diagnosis(record={"model": record})
     with configured(case, cfg), any_world():
         params = [n for n, _ in start_model(case, cfg).named_parameters()]
-    lines, first, found = [], None, None
+    lines, first, found, factors = [], None, None, cfg.mesh
     if rerun and pool.can_rerun:
         try:
             found = localise(cfg, pool, complete=True)
@@ -47,13 +47,15 @@ def diagnose(case: ModelCase, cfg: Config, pool, report, rerun: bool) -> Diagnos
             record["modules_error"] = f"{type(error).__name__}: {error}"
         else:
             record["modules"] = module_rows(found)
-            start = where_it_starts(found, report, cfg.mesh)
+            # a trainer's own pipeline schedule calls each module once per microbatch: a factor their count
+            factors = cfg.mesh + ((("microbatches", found.microbatches),) if found.microbatches > 1 else ())
+            start = where_it_starts(found, report, factors)
             first = start.module
             lines.append(start.line)
             if first is not None:
                 record["first"] = [first, start.phase]
     backward = backward_order(params, found)
-    gradients = first_gradients(backward, report, cfg.mesh, found.partial_results if found else None,
+    gradients = first_gradients(backward, report, factors, found.partial_results if found else None,
                                 found.mean_results if found else None)
     return Diagnosis("\n".join(lines + ([gradients] if gradients else [])), {"model": record},
                      order=table_order(backward, first))
