@@ -51,7 +51,8 @@ MESHES = ("dp=2", "tp=2", "dp=2,tp=2", "rep=2,dp=2", "rep=2,tp=2", "dp=4", "dp=2
 # registry models the zoo cannot run here, with why (every other model of the registry is built below)
 NOT_RUN = {
     "qwen3 tied, pp meshes": "torchtitan ties no weights under pipeline parallel (NotImplementedError)",
-    "kimi_k2_7": "not wired yet (deepseek_v3 is: its attention, experts, router and dispatchers are theirs too)",
+    "kimi_k2_7, full_dtensor": "its parallelize_kimi_k2_5 raises NotImplementedError('full_dtensor is not "
+                               "supported yet'); its vision encoder (the zoo trains its language model alone)",
     "qwen3 moe, full_dtensor, rep=2,dp=2,tp=2 with ep=2": "its 8 ranks hang past the 300 s deadline on CPU/gloo "
                                                          "(partial_dtensor passes the same mesh); not triaged",
     "gpt_oss, qwen3_5": "their attention needs FlexAttention's sinks or a kernel with no CPU backward",
@@ -191,6 +192,25 @@ def _deepseek_v3():
     return deepseek_v3.DeepSeekV3Model.Config(**_ends(deepseek_v3), layers=layers, mtp_layers=[])
 
 
+def _kimi_k2_7():
+    """kimi_k2_7's language model as its debug model is made (deepseek_v3's multi-head latent
+    attention and MoE with shared experts, under Kimi's initialisers, a top-3 router), tiny, without
+    its vision encoder (its forward runs text alone without pixels)."""
+    from torchtitan.models import kimi_k2_7
+    from torchtitan.models.common import ComplexRoPE
+
+    s, rope = SIZES, 4
+    layers = kimi_k2_7._build_kimi_layers(
+        n_layers=s["layers"], n_dense_layers=1, dim=s["dim"], n_heads=s["heads"], q_lora_rank=0, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=rope, v_head_dim=8, mscale=0.70, dense_hidden_dim=2 * s["dim"],
+        moe_hidden_dim=s["dim"], num_experts=s["experts"], num_shared_experts=2, router_top_k=3,
+        router_score_func="softmax", attn_backend="flex", moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(dim=rope, max_seq_len=64, theta=10000.0, scaling="yarn", rope_factor=40.0,
+                                beta_fast=32.0, beta_slow=1.0, original_seq_len=16))
+    return kimi_k2_7.KimiK25Model.Config(**_ends(kimi_k2_7), layers=layers, vision_encoder=None)
+
+
 def _experts_in_their_dtype(self, x_RD, num_tokens_per_expert_E):
     """torchtitan's ``GroupedExperts.forward`` without its hard-coded ``.bfloat16()`` casts: an fp32
     cell computes its experts in fp32 and the reference in fp64 (``_grouped_mm`` from its fp32 kernel,
@@ -205,9 +225,11 @@ def _experts_in_their_dtype(self, x_RD, num_tokens_per_expert_E):
 
 
 CONFIGS = {"llama3": _llama3, "qwen3": _qwen3, "qwen3_tied": lambda: _qwen3(tied=True),
-           "qwen3_moe": lambda: _qwen3(moe=True), "deepseek_v3": _deepseek_v3}
+           "qwen3_moe": lambda: _qwen3(moe=True), "deepseek_v3": _deepseek_v3, "kimi_k2_7": _kimi_k2_7}
+# backends a model's parallelize_fn refuses (NOT_RUN says why)
+PARTIAL_ONLY = {"kimi_k2_7": ("full",)}
 TIED = ("qwen3_tied",)  # torchtitan ties no weights under pp ("not supported with Pipeline Parallel")
-MOE = ("qwen3_moe", "deepseek_v3")
+MOE = ("qwen3_moe", "deepseek_v3", "kimi_k2_7")
 EXPERT_DEGREES = ("1", "2", "4")
 # the MoE models' meshes: (dense mesh, ep, backends that cannot run it here: NOT_RUN says why), ep
 # borrowed from dp_shard and tp as torchtitan's ParallelDims borrows it (efsdp = dp * tp / ep)
@@ -399,7 +421,7 @@ def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = PLANS,
                   [(m, None, ("full",) if "pp=" in m else ()) for m in meshes
                    if not (model in TIED and "pp=" in m)])
         for mesh, ep, cannot in chosen:
-            runs = [plan for plan in plans if plan not in cannot]
+            runs = [plan for plan in plans if plan not in cannot + PARTIAL_ONLY.get(model, ())]
             if not runs:
                 continue
             # sequence parallelism acts with tp only: without tp, sp_on would certify what sp_off does;
