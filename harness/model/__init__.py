@@ -40,8 +40,17 @@ makes a case a Component.
 """
 from .case import ModelCase, Parallelized, Pipelined
 from .cell import Running, cell_dir, running, switches
-from .placement import load_shards
 from .register import model_cells, register_model
 
 __all__ = ["ModelCase", "Parallelized", "Pipelined", "Running", "cell_dir", "load_shards", "model_cells", "register_model",
            "running", "switches"]
+
+
+def __getattr__(name: str):
+    # load_shards runs on the ranks: imported here, its module would import torch.distributed.tensor
+    # (and sympy through it) into every pytest process that collects a model cell
+    if name == "load_shards":
+        from .placement import load_shards
+
+        return load_shards
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
