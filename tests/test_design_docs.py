@@ -126,6 +126,9 @@ def _top_level_names(path: str) -> set[str]:
             names.add(node.name)
         elif isinstance(node, ast.Assign):
             names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets) and \
+                    isinstance(node.value, (ast.List, ast.Tuple)):  # exported, some lazily (a module __getattr__)
+                names.update(e.value for e in node.value.elts if isinstance(e, ast.Constant))
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             names.add(node.target.id)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
