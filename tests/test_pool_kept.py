@@ -193,26 +193,36 @@ def test_an_edit_of_a_registered_implementation_is_seen_by_the_next_run_on_a_kep
     assert left_in(box["runtime"]) == [] and left_in(box["tmp"]) == []
 
 
+def imports_the_copy_put_first(box, module: str, installed: str, copy_into) -> None:
+    """A run on a kept pool holding ``module`` (installed at ``installed``), then a run with a patched
+    copy of it first on PYTHONPATH (``copy_into(directory)`` makes it; returns the copy's file): the
+    second run's ranks import the copy, not the held one."""
+    project = make_project(box["root"] / "project")
+    impl = project / "mypkg" / "tp_impl.py"
+    impl.write_text(f"import os\nimport {module}  # third-party: the kept pool imports it\n"
+                    f"open(os.environ['SEEN'], 'a').write({module}.__file__ + '\\n')\n" + impl.read_text())
+    seen = box["root"] / "seen.txt"
+    env = dict(box["env"], PARITYTEST_KEEP_POOL="120", SEEN=str(seen))
+    assert pytest_in(project, env, "-k", ONE_CELL).returncode == 0
+    copied = copy_into(box["root"] / "patched")
+    done = pytest_in(project, dict(env, PYTHONPATH=str(box["root"] / "patched")), "-k", ONE_CELL)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    first, *_, last = seen.read_text().split()
+    assert first == installed and last == str(copied), seen.read_text()
+    pytest_in(project, env, "--stop-pool")
+
+
 @pytest.mark.slow
 def test_a_library_put_first_on_the_path_is_what_the_next_run_imports(box):
     """A kept pool holds the third-party modules a project imports; a run whose path finds one of
     them elsewhere (a patched copy put first on PYTHONPATH) must get that copy, not the held one."""
     import filelock
 
-    project = make_project(box["root"] / "project")
-    impl = project / "mypkg" / "tp_impl.py"
-    impl.write_text("import os\nimport filelock  # third-party: the kept pool imports it\n"
-                    "open(os.environ['SEEN'], 'a').write(filelock.__file__ + '\\n')\n" + impl.read_text())
-    seen = box["root"] / "seen.txt"
-    env = dict(box["env"], PARITYTEST_KEEP_POOL="120", SEEN=str(seen))
-    assert pytest_in(project, env, "-k", ONE_CELL).returncode == 0
-    copy = box["root"] / "patched"
-    shutil.copytree(os.path.dirname(filelock.__file__), copy / "filelock")
-    done = pytest_in(project, dict(env, PYTHONPATH=str(copy)), "-k", ONE_CELL)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    first, *_, last = seen.read_text().split()
-    assert first == filelock.__file__ and last == str(copy / "filelock" / "__init__.py"), seen.read_text()
-    pytest_in(project, env, "--stop-pool")
+    def copy_into(copy: Path) -> Path:
+        shutil.copytree(os.path.dirname(filelock.__file__), copy / "filelock")
+        return copy / "filelock" / "__init__.py"
+
+    imports_the_copy_put_first(box, "filelock", filelock.__file__, copy_into)
 
 
 @pytest.mark.slow
@@ -221,21 +231,13 @@ def test_a_namespace_package_put_first_on_the_path_is_what_the_next_run_imports(
     copy put first on the path extends with a directory before the installed one."""
     core = pytest.importorskip("megatron.core", reason="megatron-core (README's thirdparty extra) is the namespace "
                                                        "package installed here")
-    project = make_project(box["root"] / "project")
-    impl = project / "mypkg" / "tp_impl.py"
-    impl.write_text("import os\nimport megatron.core  # third-party, a namespace's package: the kept pool imports it\n"
-                    "open(os.environ['SEEN'], 'a').write(megatron.core.__file__ + '\\n')\n" + impl.read_text())
-    seen = box["root"] / "seen.txt"
-    env = dict(box["env"], PARITYTEST_KEEP_POOL="120", SEEN=str(seen))
-    assert pytest_in(project, env, "-k", ONE_CELL).returncode == 0
-    copy = box["root"] / "patched"
-    (copy / "megatron" / "core").mkdir(parents=True)
-    (copy / "megatron" / "core" / "__init__.py").write_text("# a patched megatron.core\n")
-    done = pytest_in(project, dict(env, PYTHONPATH=str(copy)), "-k", ONE_CELL)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    first, *_, last = seen.read_text().split()
-    assert first == core.__file__ and last == str(copy / "megatron" / "core" / "__init__.py"), seen.read_text()
-    pytest_in(project, env, "--stop-pool")
+
+    def copy_into(copy: Path) -> Path:
+        (copy / "megatron" / "core").mkdir(parents=True)
+        (copy / "megatron" / "core" / "__init__.py").write_text("# a patched megatron.core\n")
+        return copy / "megatron" / "core" / "__init__.py"
+
+    imports_the_copy_put_first(box, "megatron.core", core.__file__, copy_into)
 
 
 @pytest.mark.slow
