@@ -31,7 +31,7 @@ def keeper_main() -> None:
         keeper = Keeper(spec["path"], float(spec["idle"]))
     signal.signal(signal.SIGTERM, keeper.stop_all)
     signal.signal(signal.SIGINT, keeper.stop_all)
-    from .rank import die_with_parent, import_torch, preload, warm_up
+    from .rank import die_with_parent, import_torch, preload, take_baseline, warm_up
 
     if "parent" in spec:
         die_with_parent(spec["parent"], signal.SIGTERM, keeper.stop_all)
@@ -39,6 +39,7 @@ def keeper_main() -> None:
     import_torch()
     preload(spec["preload"])
     warm_up()
+    take_baseline()
     # what it imported lives as long as it does: no full collection in the keeper, nor in the
     # zygotes and ranks forked from it, need scan it again (and its pages stay shared with theirs)
     gc.freeze()
@@ -168,11 +169,12 @@ class Keeper:
                                                                   message.get("preload_kept", ())) is not None
 
     def _fork_run(self, conn: socket.socket, message: dict, fds: list[int]) -> None:
-        from .rank import preload
+        from .rank import current_baseline, preload
 
         if message.get("idle") is not None:
             self.idle = float(message["idle"])
         preload(message.get("preload_kept", ()))  # third-party, kept for the next runs too
+        current_baseline()  # and taken in here once, not by every run's zygote
         pid = os.fork()
         if pid == 0:
             self._requests().close()
