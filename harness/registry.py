@@ -313,11 +313,18 @@ def get(name: str) -> Component:
         raise ConfigError(f"unknown component {name!r}; registered: {', '.join(sorted(COMPONENTS))}") from None
 
 
+def _targets(cfgs) -> set[tuple[str, str]]:
+    """``(component, implementation)`` of each config, or each such pair given as it is (an
+    exploration's targets, before any config is drawn)."""
+    return {cfg if isinstance(cfg, tuple) else (cfg.component, cfg.impl) for cfg in cfgs}
+
+
 def preload_modules(cfgs=None) -> list[str]:
-    """The modules a set of configs' components and implementations name or preload (every
-    registered one's by default), for the pool to import before it forks its ranks."""
+    """The modules a set of configs' (or ``(component, implementation)`` pairs') components and
+    implementations name or preload (every registered one's by default), for the pool to import
+    before it forks its ranks."""
     _read_builtins()
-    wanted = None if cfgs is None else {(cfg.component, cfg.impl) for cfg in cfgs}
+    wanted = None if cfgs is None else _targets(cfgs)
     paths, named = [], []
     for component in COMPONENTS.values():
         impls = [i for i in component.implementations.values() if wanted is None or (component.name, i.name) in wanted]
@@ -337,7 +344,7 @@ def reference_modules(cfgs=None) -> list[str]:
     in to import before its fork: no implementation's (Megatron-Core, the parallel code) is needed
     there."""
     _read_builtins()
-    wanted = None if cfgs is None else {cfg.component for cfg in cfgs}
+    wanted = None if cfgs is None else {component for component, _ in _targets(cfgs)}
     chosen = [component for component in COMPONENTS.values() if wanted is None or component.name in wanted]
     paths = [path for component in chosen for path in (component.reference, component.calibration) if path]
     return sorted({module for path in paths for module in modules(path)}

@@ -325,3 +325,15 @@ def test_the_explore_step_runs_here(tmp_path):
     assert output.read_text().strip() == "status=0"
     assert json.loads((reports / "explore" / "result.json").read_text())[0]["target"] == "tp:ours"
     assert "explored 1 target(s): 0 diverged" in (reports / "explore" / "summary.txt").read_text()
+
+
+def test_explores_pool_imports_the_targets_modules_not_every_registered_ones():
+    """The zygotes of ``python -m harness.explore tp:ours`` import what tp's component and our
+    implementation need, not transformers and Megatron-Core (seconds, each explore run)."""
+    from harness.pool.parent import preloads
+
+    options = preloads(targets(["tp:ours"]))
+    assert "harness.parallel.tp" in options["preload"] and "reference.tp" in options["alone_preload"]
+    heavy = {"harness.parallel.tp_megatron", "harness.parallel.tp_hf", "harness.examples.hf"}
+    assert not heavy & (set(options["preload"]) | set(options["alone_preload"])), options
+    assert "harness.parallel.tp_hf" in preloads(targets(["tp"]))["preload"]  # every implementation of tp

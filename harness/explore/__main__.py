@@ -93,14 +93,16 @@ def main(argv=None) -> int:
         keep = idle_from_env()  # PARITYTEST_KEEP_POOL: the project's kept pool, as pytest's
     except (ConfigError, KeptPoolError) as error:
         return _usage(str(error))
-    from ..pool.parent import shared_pool
+    from ..pool.parent import preloads, shared_pool
     from .runner import DATABASE, Budget, Exploration, explore, write_result
 
     db_path = project.rootdir / DATABASE if args.database is None else None if args.database == "none" else Path(args.database)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     budget = Budget(args.max_examples, args.max_seconds, args.shrink_seconds)
-    pool = shared_pool(size=args.pool_size, deadline=args.case_deadline, keep=keep, root=str(project.rootdir))
+    # its zygotes import the targets' modules, not every registered one's (transformers, Megatron-Core)
+    pool = shared_pool(size=args.pool_size, deadline=args.case_deadline, keep=keep, root=str(project.rootdir),
+                       **preloads(chosen))
     results: list[Exploration] = []
     try:
         with open(out / "trials.jsonl", "w") as log:

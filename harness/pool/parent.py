@@ -60,7 +60,8 @@ def reference_preload(cfgs=None) -> tuple[str, ...]:
 
 
 def preloads(cfgs) -> dict:
-    """:class:`Pool`'s ``preload`` and ``alone_preload`` for a run of ``cfgs``: what their
+    """:class:`Pool`'s ``preload`` and ``alone_preload`` for a run of ``cfgs`` (configs, or
+    ``(component, implementation)`` pairs): what their
     components and implementations need, not every registered one's (transformers, Megatron-Core:
     seconds); None each (every registered one's) when there is none, or a None among them (a pool
     user that is not a cell)."""
