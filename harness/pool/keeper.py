@@ -169,12 +169,12 @@ class Keeper:
                                                                   message.get("preload_kept", ())) is not None
 
     def _fork_run(self, conn: socket.socket, message: dict, fds: list[int]) -> None:
-        from .rank import current_baseline, preload
+        from .rank import preload, refresh_baseline
 
         if message.get("idle") is not None:
             self.idle = float(message["idle"])
         preload(message.get("preload_kept", ()))  # third-party, kept for the next runs too
-        current_baseline()  # and taken in here once, not by every run's zygote
+        refresh_baseline()  # and taken in here once, not by every run's zygote
         pid = os.fork()
         if pid == 0:
             self._requests().close()

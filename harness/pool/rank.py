@@ -110,8 +110,7 @@ class Zygote:
         spec = self.spec
         me = os.getpid()
         pids: dict[int, int] = {}
-        if _inherited is not None:  # the run's own modules, imported since the keeper took it: once, not per rank
-            _inherited.rebase()
+        refresh_baseline()  # the run's own modules, imported since the keeper took it: once, not per rank
         self.forking["now"] = True
         for rank, fd in enumerate(spec["fds"]):
             pid = os.fork()
@@ -162,11 +161,18 @@ def take_baseline() -> None:
     _inherited = Baseline.take()
 
 
+def refresh_baseline() -> None:
+    """Bring the inherited baseline up to date with this process's imports, so that what it forks
+    inherits it current (nothing to do where none was taken)."""
+    if _inherited is not None:
+        _inherited.rebase()
+
+
 def current_baseline() -> Baseline:
     """This process's baseline as of now: the inherited one brought up to date, else one taken here."""
     if _inherited is None:
         return Baseline.take()
-    _inherited.rebase()
+    refresh_baseline()
     return _inherited
 
 
