@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
 from datetime import timedelta
 
 from .names import GROUPS, TORCHTITAN
@@ -66,9 +67,7 @@ class World:
             dist.destroy_process_group()  # every group of the old world, the shared ones too
             # DTensor caches sharding decisions by mesh, and a mesh equals the old world's mesh of the
             # same shape: the cached result would name the old world's (destroyed) groups
-            from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-            _clear_sharding_prop_cache()
+            clear_sharding_cache()
         self.current = (size, generation)
         if self.rank < size:
             store = dist.PrefixStore(f"paritytest-world/{generation}", self.store)
@@ -141,6 +140,16 @@ def any_world():
         yield
 
 
+def clear_sharding_cache() -> None:
+    """Empty DTensor's cache of sharding decisions, where DTensor was imported: without it no
+    cache exists, and importing it (0.6 s, sympy included) in a rank forked from a zygote that
+    never did would cost every rank that time at its first change of world."""
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
+
+
 @contextlib.contextmanager
 def _own_world_of_one():
     import torch.distributed as dist
@@ -153,9 +162,7 @@ def _own_world_of_one():
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-        _clear_sharding_prop_cache()
+        clear_sharding_cache()
 
 
 class CellError(RuntimeError):

@@ -1,15 +1,15 @@
 """Implementations with planted bugs, registered by tests (never flags in the production code).
 
 Each wraps a real implementation and breaks one thing for the duration of its own call only: the
-rank processes are shared with other tests' cells.
+rank processes are shared with other tests' cells. The FSDP and checkpoint plants import their
+module when called: a project whose conftest registers these plants imports this module in its
+pytest process (to check the paths resolve) and in its zygote, which then need not import DTensor.
 """
 import contextlib
 import os
 
 import torch
 
-import harness.parallel.checkpoint as checkpoint
-import harness.parallel.fsdp as fsdp
 import harness.parallel.moe as moe
 import harness.parallel.pipeline as pipeline
 import harness.parallel.ring_attention as ring
@@ -112,6 +112,8 @@ def fsdp_gather_swaps_shards(ctx, cfg):
     """FSDP whose all-gather of W1 puts the first two ranks' shards in each other's place (a group's
     rank order mixed up): needs a shard group of 2 or more; bisect should name the gathered weights
     of the first step's first layer."""
+    import harness.parallel.fsdp as fsdp  # here, not above: it imports DTensor (and sympy), 0.6 s
+
     real = fsdp.FSDPParam.gather
 
     def gather(self):
@@ -129,6 +131,8 @@ def fsdp_gather_swaps_shards(ctx, cfg):
 def ckpt_load_rotates_rows(ctx, cfg):
     """Checkpoint whose load puts each local shard of W1 one row off (a resharding offset bug):
     bisect should name the load."""
+    import harness.parallel.checkpoint as checkpoint  # here, not above: it imports DCP and DTensor, 0.8 s
+
     real = checkpoint.Side.load
 
     def load(self, path):
