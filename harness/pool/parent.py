@@ -14,6 +14,7 @@ import atexit
 import json
 import os
 import pickle
+import random
 import re
 import select
 import shutil
@@ -79,9 +80,36 @@ class LeftChanged(UserWarning):
     ...): said on that cell, while the next cell starts from clean ones."""
 
 
+def _ports_outside_ephemeral() -> list[range]:
+    """The ports the kernel never hands out by itself (for a connection's own end, or a bind to 0):
+    outside ``ip_local_port_range``, above the privileged and the commonly served ones."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+    except (OSError, ValueError):
+        return []
+    return [r for r in (range(20000, low), range(high + 1, 65536)) if len(r) > 1000]
+
+
+_PORTS = _ports_outside_ephemeral()
+_CHOICE = random.Random()  # its own: the cells' seeded global random stays untouched
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now: the ``MASTER_PORT`` a task sees, where a trainer's own
-    ``init_process_group("env://")`` hosts its store (the world's store is elsewhere)."""
+    ``init_process_group("env://")`` hosts its store (the world's store is elsewhere).
+
+    Drawn outside the ephemeral range where there is one: a port the kernel picked (bind to 0) is
+    free only until the kernel picks it again, for one of the thousands of gloo connections the
+    ranks of this and other runs make, and the trainer's listen then fails (EADDRINUSE)."""
+    for _ in range(50 if _PORTS else 0):
+        port = _CHOICE.choice(_CHOICE.choice(_PORTS))
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
