@@ -32,8 +32,10 @@ class Run(subprocess.CompletedProcess):
 
     @property
     def tail(self) -> str:
-        """The end of its output and of its errors: enough to read why an assertion failed."""
-        return self.stdout[-5000:] + "\n--- stderr ---\n" + self.stderr[-3000:]
+        """The end of its output and the start and end of its errors: enough to read why an assertion
+        failed (under torchrun the ranks' own errors come first, the launcher's summary last)."""
+        errors = self.stderr if len(self.stderr) <= 5000 else self.stderr[:2000] + "\n[...]\n" + self.stderr[-3000:]
+        return self.stdout[-5000:] + "\n--- stderr ---\n" + errors
 
     @property
     def summary(self) -> str:
