@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.pool.parent import free_port  # outside the ephemeral range: no gloo connection takes it meanwhile
 from harness.report import junit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,12 +40,6 @@ SELECTION = [
 MESHES = ["test_every_named_group and pp and cp and ep and not dp and not tp",
           "test_every_named_group and dp and ep and not pp and not cp and not tp and not rep"]
 K = " or ".join(SELECTION + [f"({m})" for m in MESHES])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(autouse=True)
