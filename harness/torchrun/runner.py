@@ -130,7 +130,10 @@ class RankRunner(Attempts):
                 if build_meshes(self._meshes, (mesh, *extra), self.backend) and self._baseline is not None:
                     self._baseline.rebase()  # what torch installs lazily as it makes groups
         scratch = os.path.join(self._scratch, self._key)
-        os.makedirs(scratch, exist_ok=True)
+        if self.rank < world:
+            # only the ranks that run the task: one idle in it may reach this line after rank 0 has
+            # judged the cell and every rank but the late ones has removed the job's scratch at its end
+            os.makedirs(scratch, exist_ok=True)
         if self.rank == 0:  # what the next attempt must judge if this one dies inside the cell
             self.session.set("inflight", {"attempt": self.session.env.attempt, "key": self._key, "world": world,
                                           "label": label, "deadline": deadline, **(self._current or {})},
