@@ -2,10 +2,11 @@
 however named, add no gloo devices (each a loop thread waking every 10 ms) once their rank sets exist,
 and every mesh's groups still carry the right traffic."""
 import os
+import warnings
 
 import pytest
 
-from harness.pool.parent import Pool
+from harness.pool.parent import LeftChanged, Pool
 
 # the same rank sets of a 4-rank world under many names and orders: what a long matrix builds
 FIRST = [(("dp", 2), ("tp", 2)), (("tp", 4),)]
@@ -23,6 +24,14 @@ def gloo_devices(ctx, payload):
         except OSError:  # the thread ended meanwhile
             pass
     return names.count("gloo_tcp_loop")
+
+
+def settled_gloo_devices(ctx, payload):
+    """Rank task: the gloo devices this process holds once the past worlds' groups are dropped."""
+    from harness.pool.groups import settled
+
+    settled()
+    return gloo_devices(ctx, None)
 
 
 def timer_slack(ctx, payload):
@@ -97,6 +106,22 @@ def test_meshes_over_the_same_ranks_add_no_gloo_devices(pool):
                 assert total == sum(group), (mesh, rank, name)
     after = pool.run(f"{__name__}:gloo_devices", None, FIRST[0])
     assert after == before, f"gloo devices per rank grew from {before} to {after} over meshes of the same ranks"
+
+
+def test_a_past_worlds_groups_are_let_go_and_the_clean_start_check_sees_nothing_left(pool):
+    """A new world drops the old one's groups on a thread of the rank's own (harness.pool.groups.release):
+    none survives it, and that thread is no cell's."""
+    for mesh in FIRST:
+        pool.run(f"{__name__}:rank_sums", None, mesh)
+    before = pool.run(f"{__name__}:settled_gloo_devices", None, FIRST[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LeftChanged)  # "thread(s) left running" and the like
+        for _ in range(3):
+            pool.run(f"{__name__}:rank_sums", None, (("tp", 2),))  # a world of two: the four-rank one goes
+            for mesh in FIRST:
+                pool.run(f"{__name__}:rank_sums", None, mesh)
+    after = pool.run(f"{__name__}:settled_gloo_devices", None, FIRST[0])
+    assert after == before, f"gloo devices per rank grew from {before} to {after} over worlds made and left"
 
 
 def test_a_user_group_destroyed_and_made_again_still_works(pool):

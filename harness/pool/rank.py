@@ -34,7 +34,7 @@ PR_SET_TIMERSLACK = 29
 # holds ~20 groups, so a pool's ranks woke ~30,000 times a second: a sixth to a quarter of the
 # matrix's CPU on 2 cores (docs/performance.md). A
 # socket or pipe still wakes the loop at once, so collectives are as fast; only a group's teardown,
-# which waits for its loop's next tick, takes up to this much longer (a new world: ~0.1 s).
+# which waits for its loop's next ticks, takes longer, off the rank's path (groups.release).
 TIMER_SLACK_NS = 40_000_000
 
 
@@ -270,7 +270,7 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
 
     from ..world import World
     from .backend import rank_device
-    from .groups import next_task, share_groups
+    from .groups import next_task, release, share_groups
 
     torch.set_num_threads(1)
     conn = Connection(fd)
@@ -296,7 +296,7 @@ def rank_main(rank: int, fd: int, zygote: int, spec: dict) -> None:
         try:
             entered = world.enter(size, generation)
             if entered:
-                meshes.clear()
+                release(meshes, backend)
             if rank >= size:
                 _send(conn, ("idle", task, rank, None, None))
                 continue

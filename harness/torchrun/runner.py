@@ -105,7 +105,7 @@ class RankRunner(Attempts):
     def _enter_round(self, mesh: tuple, extra: tuple, size: int, world: int, label: str, deadline: float) -> str:
         """A round's setup on every rank: its world, its key, its meshes (collective over the world),
         its scratch directory, and on rank 0 what the next attempt must judge if this one dies in it."""
-        from ..pool.groups import next_task
+        from ..pool.groups import next_task, release
         from ..pool.rank import build_meshes
 
         cells = self.session.cell_world
@@ -116,7 +116,7 @@ class RankRunner(Attempts):
         disturbed = self._last_key is not None and self.session.store.check([f"{self._last_key}/disturbed"])
         if cells.current[0] != size or disturbed:
             cells.enter(size, cells.current[1] + 1)
-            self._meshes.clear()
+            release(self._meshes, self.backend)
             if self._baseline is not None:
                 self._baseline.rebase()
         self._task += 1
