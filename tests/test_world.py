@@ -104,11 +104,16 @@ def test_the_same_in_a_kept_pool(project):
 
 
 def test_the_same_under_torchrun_on_the_first_ranks_of_an_8_rank_job(project, tmp_path):
+    # the last rank starts late, as on a loaded machine: pytest counts --rank-logs' value, once the
+    # directory exists, in its choice of rootdir, so the other ranks must not make it before every rank
+    # has chosen (that rank collected project/test_worldly.py::..., the others test_worldly.py::...)
+    project.write({"sitecustomize.py": "import os, time\nif os.environ.get('RANK') == '7':\n    time.sleep(3)\n"})
     done = project.run("python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
                        "-m", "pytest", "-p", "no:cacheprovider", "-q", "--case-deadline", "120",
                        "--rank-logs", str(tmp_path / "logs"))
     assert done.returncode == 0, done.tail
     assert "3 passed" in done.stdout
+    assert not list(tmp_path.glob(".logs-rank*")), "a rank's log left beside --rank-logs"
 
 
 BAD = MODEL.replace('parallelize={"world": parallelize})', '''parallelize={

@@ -21,6 +21,7 @@ import pytest
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 RUNNER = pytest.StashKey()  # this rank's harness.torchrun.runner.RankRunner
 _LOG = pytest.StashKey()  # a rank other than 0: the file its output goes to
+_PENDING_LOG = pytest.StashKey()  # where that file moves once every rank has joined (see redirect_output)
 _OWN_LOG_DIR = pytest.StashKey()  # the default --rank-logs directory, which the harness made
 
 
@@ -50,11 +51,23 @@ class TorchrunPlugin:
         self.launcher_stderr = os.dup(2)
         if os.environ["RANK"] == "0":
             return
-        where = getattr(early_config.known_args_namespace, "rank_logs", None) or os.path.join(
+        given = getattr(early_config.known_args_namespace, "rank_logs", None)
+        where = given or os.path.join(
             tempfile.gettempdir(),
             f"paritytest-torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}-{os.environ['MASTER_PORT']}")
-        os.makedirs(where, exist_ok=True)
         path = os.path.join(where, f"rank{os.environ['RANK']}.log")
+        if given and not os.path.isdir(given):
+            # pytest chooses its rootdir before this plugin loads, counting the value of an option it
+            # does not know yet (``--rank-logs DIR``) when DIR exists: made now, while another rank of
+            # this host is still starting, it would give that rank another rootdir and other node ids
+            # (the collection check then stops the job). So the log starts beside it and moves in
+            # once every rank has joined the job (:meth:`settle_log`).
+            early_config.stash[_PENDING_LOG] = path
+            path = os.path.join(os.path.dirname(os.path.abspath(where)),
+                                f".{os.path.basename(os.path.abspath(where))}-rank{os.environ['RANK']}.log")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        else:
+            os.makedirs(where, exist_ok=True)
         log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)  # appended: restarts add to it
         sys.stdout.flush()
         sys.stderr.flush()
@@ -70,9 +83,11 @@ class TorchrunPlugin:
         """Refuse xdist, leave the junit XML to rank 0 (before junitxml configures), give the other
         ranks temp directories of their own, join the job's process group."""
         if config.option.help or config.option.version:
+            self.settle_log(config)
             return
         workers = getattr(config.option, "numprocesses", None)  # xdist's -n (0 or None: no workers)
         if workers:
+            self.settle_log(config)
             raise pytest.UsageError(f"-n {workers}: xdist cannot run under torchrun: each pytest process is already "
                                     "one rank (torchrun --nproc-per-node sets how many); drop -n")
         if os.environ["RANK"] != "0":
@@ -80,11 +95,27 @@ class TorchrunPlugin:
             own_temp(config)
         from .runner import start
 
-        runner = start(config.getoption("--backend"), config.getoption("--case-deadline"), self.launcher_stderr)
+        try:
+            runner = start(config.getoption("--backend"), config.getoption("--case-deadline"), self.launcher_stderr)
+        finally:
+            self.settle_log(config)
         config.stash[RUNNER] = runner
         complete = runner.finished_before()
         if complete is not None:  # torchrun restarted a job whose every test is judged: same status again
             pytest.exit(f"[torchrun] this job finished in an earlier attempt with exit status {complete}", complete)
+
+    @staticmethod
+    def settle_log(config) -> None:
+        """Once every rank has joined the job (each has chosen its rootdir), or this rank goes no
+        further: a log begun beside the ``--rank-logs`` directory (:meth:`redirect_output`) moves into
+        it, the same file, still open."""
+        final = config.stash.get(_PENDING_LOG, None)
+        if final is None:
+            return
+        del config.stash[_PENDING_LOG]
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        os.replace(config.stash[_LOG], final)
+        config.stash[_LOG] = final
 
     def pytest_collection_finish(self, session):
         """Every rank collected the same tests (else stop, naming the first difference); resume a
