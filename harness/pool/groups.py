@@ -134,9 +134,7 @@ def release(meshes: dict, backend: str) -> None:
 
 def _drop_released() -> None:
     while True:
-        old = _released.get()
-        old.clear()
-        del old
+        _released.get().clear()
         _released.task_done()
 
 
@@ -146,4 +144,3 @@ def settled() -> None:
 
 
 atexit.register(settled)  # a destructor cut off by the interpreter's shutdown would abort the process
-

@@ -63,9 +63,9 @@ class TorchrunPlugin:
             # (the collection check then stops the job). So the log starts beside it and moves in
             # once every rank has joined the job (:meth:`settle_log`).
             early_config.stash[_PENDING_LOG] = path
-            path = os.path.join(os.path.dirname(os.path.abspath(where)),
-                                f".{os.path.basename(os.path.abspath(where))}-rank{os.environ['RANK']}.log")
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            parent, name = os.path.split(os.path.abspath(where))
+            os.makedirs(parent, exist_ok=True)
+            path = os.path.join(parent, f".{name}-rank{os.environ['RANK']}.log")
         else:
             os.makedirs(where, exist_ok=True)
         log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)  # appended: restarts add to it
