@@ -193,51 +193,40 @@ def test_an_edit_of_a_registered_implementation_is_seen_by_the_next_run_on_a_kep
     assert left_in(box["runtime"]) == [] and left_in(box["tmp"]) == []
 
 
-def imports_the_copy_put_first(box, module: str, installed: str, copy_into) -> None:
-    """A run on a kept pool holding ``module`` (installed at ``installed``), then a run with a patched
-    copy of it first on PYTHONPATH (``copy_into(directory)`` makes it; returns the copy's file): the
-    second run's ranks import the copy, not the held one."""
-    project = make_project(box["root"] / "project")
-    impl = project / "mypkg" / "tp_impl.py"
-    impl.write_text(f"import os\nimport {module}  # third-party: the kept pool imports it\n"
-                    f"open(os.environ['SEEN'], 'a').write({module}.__file__ + '\\n')\n" + impl.read_text())
-    seen = box["root"] / "seen.txt"
-    env = dict(box["env"], PARITYTEST_KEEP_POOL="120", SEEN=str(seen))
-    assert pytest_in(project, env, "-k", ONE_CELL).returncode == 0
-    copied = copy_into(box["root"] / "patched")
-    done = pytest_in(project, dict(env, PYTHONPATH=str(box["root"] / "patched")), "-k", ONE_CELL)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    first, *_, last = seen.read_text().split()
-    assert first == installed and last == str(copied), seen.read_text()
-    pytest_in(project, env, "--stop-pool")
-
-
 @pytest.mark.slow
-def test_a_library_put_first_on_the_path_is_what_the_next_run_imports(box):
+def test_a_namespace_package_or_a_library_put_first_on_the_path_is_what_the_next_run_imports(box):
     """A kept pool holds the third-party modules a project imports; a run whose path finds one of
-    them elsewhere (a patched copy put first on PYTHONPATH) must get that copy, not the held one."""
+    them elsewhere (a patched copy put first on PYTHONPATH) must get that copy, not the held one: a
+    namespace package (megatron: no ``__init__.py``, no file of its own, which a copy put first
+    extends with a directory before the installed one), then a regular one (filelock). One project,
+    one run after another, each adding one copy to the path: each run's keeper is stale by that
+    copy alone, so neither check rides on the other's restart."""
     import filelock
 
-    def copy_into(copy: Path) -> Path:
-        shutil.copytree(os.path.dirname(filelock.__file__), copy / "filelock")
-        return copy / "filelock" / "__init__.py"
-
-    imports_the_copy_put_first(box, "filelock", filelock.__file__, copy_into)
-
-
-@pytest.mark.slow
-def test_a_namespace_package_put_first_on_the_path_is_what_the_next_run_imports(box):
-    """The same for a namespace package (megatron: no ``__init__.py``, no file of its own), which a
-    copy put first on the path extends with a directory before the installed one."""
     core = pytest.importorskip("megatron.core", reason="megatron-core (README's thirdparty extra) is the namespace "
                                                        "package installed here")
+    namespace, library = box["root"] / "patched-megatron", box["root"] / "patched-filelock"
+    (namespace / "megatron" / "core").mkdir(parents=True)
+    (namespace / "megatron" / "core" / "__init__.py").write_text("# a patched megatron.core\n")
+    shutil.copytree(os.path.dirname(filelock.__file__), library / "filelock")
 
-    def copy_into(copy: Path) -> Path:
-        (copy / "megatron" / "core").mkdir(parents=True)
-        (copy / "megatron" / "core" / "__init__.py").write_text("# a patched megatron.core\n")
-        return copy / "megatron" / "core" / "__init__.py"
-
-    imports_the_copy_put_first(box, "megatron.core", core.__file__, copy_into)
+    project = make_project(box["root"] / "project")
+    impl = project / "mypkg" / "tp_impl.py"
+    seen = box["root"] / "seen.txt"
+    impl.write_text("import os\nimport megatron.core, filelock  # third-party: the kept pool imports them\n"
+                    "open(os.environ['SEEN'], 'a').write(f'{megatron.core.__file__} {filelock.__file__}\\n')\n"
+                    + impl.read_text())
+    env = dict(box["env"], PARITYTEST_KEEP_POOL="120", SEEN=str(seen))
+    for path, imported in [("", (core.__file__, filelock.__file__)),
+                           (str(namespace), (str(namespace / "megatron" / "core" / "__init__.py"), filelock.__file__)),
+                           (os.pathsep.join([str(namespace), str(library)]),
+                            (str(namespace / "megatron" / "core" / "__init__.py"), str(library / "filelock" / "__init__.py")))]:
+        before = len(seen.read_text().splitlines()) if seen.exists() else 0
+        done = pytest_in(project, dict(env, **({"PYTHONPATH": path} if path else {})), "-k", ONE_CELL)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+        imported_now = seen.read_text().splitlines()[before:]  # by every process of this run that imported it
+        assert imported_now and set(imported_now) == {" ".join(imported)}, (path, seen.read_text())
+    pytest_in(project, env, "--stop-pool")
 
 
 @pytest.mark.slow
