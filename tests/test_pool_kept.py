@@ -217,10 +217,10 @@ def test_a_namespace_package_or_a_library_put_first_on_the_path_is_what_the_next
                     "open(os.environ['SEEN'], 'a').write(f'{megatron.core.__file__} {filelock.__file__}\\n')\n"
                     + impl.read_text())
     env = dict(box["env"], PARITYTEST_KEEP_POOL="120", SEEN=str(seen))
+    patched_core, patched_lock = str(namespace / "megatron" / "core" / "__init__.py"), str(library / "filelock" / "__init__.py")
     for path, imported in [("", (core.__file__, filelock.__file__)),
-                           (str(namespace), (str(namespace / "megatron" / "core" / "__init__.py"), filelock.__file__)),
-                           (os.pathsep.join([str(namespace), str(library)]),
-                            (str(namespace / "megatron" / "core" / "__init__.py"), str(library / "filelock" / "__init__.py")))]:
+                           (str(namespace), (patched_core, filelock.__file__)),
+                           (os.pathsep.join([str(namespace), str(library)]), (patched_core, patched_lock))]:
         before = len(seen.read_text().splitlines()) if seen.exists() else 0
         done = pytest_in(project, dict(env, **({"PYTHONPATH": path} if path else {})), "-k", ONE_CELL)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
