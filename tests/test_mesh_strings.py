@@ -1,5 +1,11 @@
 """Every bad mesh string a user may type gets one line that names the problem and the fix, from
-the command they type (pytest collecting ``model_cells``), never a traceback."""
+the command they type (pytest collecting ``model_cells``), never a traceback.
+
+The strings share one project, a test file each, and one pytest run (``--continue-on-collection-errors``:
+a string refused at collection does not stop the one refused when its cell runs); each test reads its
+own file's report from the run's junit XML."""
+import xml.etree.ElementTree as ET
+
 import pytest
 
 from tests.project import UserProject
@@ -29,11 +35,27 @@ def test_cell(cfg, parity):
 '''
 
 
-@pytest.mark.parametrize("mesh, line", BAD, ids=[m for m, _ in BAD])
-def test_a_bad_mesh_string_is_one_line_with_the_fix(tmp_path, mesh, line):
-    project = UserProject(tmp_path / "project", {"test_cells.py": TEST.format(mesh=mesh)}, ini=False)
-    done = project.pytest(timeout=300)
-    out = done.stdout + done.stderr
-    assert done.returncode != 0 and line in out, done.tail
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The project with ``test_mesh_<i>.py`` for ``BAD[i]``, run once; its output and each file's
+    reports (what pytest prints for its collection error or its failed cell)."""
+    files = {f"test_mesh_{i}.py": TEST.format(mesh=mesh) for i, (mesh, _) in enumerate(BAD)}
+    project = UserProject(tmp_path_factory.mktemp("mesh-strings") / "project", files, ini=False)
+    done = project.pytest("--continue-on-collection-errors", timeout=300)
+    reports: dict[str, str] = {}
+    for case in ET.parse(done.junit).iter("testcase"):
+        # a collection error is the testcase named after its module; a failed cell is classed by it
+        module = case.get("classname") or case.get("name")
+        for outcome in (e for e in case if e.tag in ("failure", "error")):
+            reports[module] = reports.get(module, "") + f"{outcome.get('message')}\n{outcome.text}\n"
+    return done, reports
+
+
+@pytest.mark.parametrize("index", range(len(BAD)), ids=[m for m, _ in BAD])
+def test_a_bad_mesh_string_is_one_line_with_the_fix(run, index):
+    done, reports = run
+    out, line = done.stdout + done.stderr, BAD[index][1]
+    report = reports.get(f"test_mesh_{index}", "")
+    assert done.returncode != 0 and line in report, (report, done.tail)
     assert "INTERNALERROR" not in out and "invalid literal" not in out, done.tail
-    assert "harness/" not in out.replace("(harness.names)", ""), done.tail  # the user's line, not our frames
+    assert "harness/" not in report.replace("(harness.names)", ""), report  # the user's line, not our frames
