@@ -28,6 +28,12 @@ def clone(tmp_path_factory) -> UserProject:
     return UserProject(where, ini=False)
 
 
+@pytest.fixture(scope="module")
+def every(clone) -> Counter:
+    """Cells by component that the unchanged clone collects (each test undoes its change)."""
+    return selected(clone)[0]
+
+
 def selected(clone: UserProject, *args: str) -> tuple[Counter, str]:
     """Cells by component that ``pytest cases/ --collect-only`` selects with ``args``, and its output."""
     done = clone.pytest("cases/", "--collect-only", *args, timeout=300)
@@ -52,36 +58,32 @@ def selected_after(clone: UserProject, path: str) -> tuple[Counter, str]:
         undo()
 
 
-def test_a_change_to_the_moe_component_selects_its_cells_and_the_composed_models(clone):
-    every, _ = selected(clone)
+def test_a_change_to_the_moe_component_selects_its_cells_and_the_composed_models(clone, every):
     cells, out = selected_after(clone, "harness/parallel/moe.py")
     assert set(cells) == {"moe", "composed"}, (cells, out[-2000:])
     assert cells["moe"] == every["moe"] and cells["composed"] == every["composed"]
     assert "--changed: 1 files changed (1 modules, 0 golden files)" in out
 
 
-def test_a_change_to_the_machinery_selects_every_cell(clone):
-    every, _ = selected(clone)
+def test_a_change_to_the_machinery_selects_every_cell(clone, every):
     cells, out = selected_after(clone, "harness/cell.py")
     assert cells == every and len(every) >= 8, (cells, every)
     assert "the harness's machinery among them (harness.cell): every cell" in out
 
 
-def test_a_change_to_the_component_table_selects_every_cell(clone):
+def test_a_change_to_the_component_table_selects_every_cell(clone, every):
     """``harness/components.py`` names every component's code by path (no import edge): all cells."""
-    every, _ = selected(clone)
     cells, out = selected_after(clone, "harness/components.py")
     assert cells == every and "(harness.components): every cell" in out, out[-2000:]
 
 
-def test_a_package_init_runs_for_every_module_under_it(clone):
+def test_a_package_init_runs_for_every_module_under_it(clone, every):
     """``harness/meshes/__init__.py`` runs whenever a module under it is imported: a change to it moves
     the cells a change to ``harness/meshes/device_mesh.py`` moves (every model cell's plan imports it;
     the pool's ranks do not, so a tp cell of ours is not among them). ``harness/pool/__init__.py``
     runs above the pool's rank loop: a change to it is a change to the machinery, every cell."""
     under, _ = selected_after(clone, "harness/meshes/device_mesh.py")
     init, _ = selected_after(clone, "harness/meshes/__init__.py")
-    every, _ = selected(clone)
     assert init == under and under["titan"] == every["titan"] and 0 < under["tp"] < every["tp"], (init, under)
     cells, _ = selected_after(clone, "harness/pool/__init__.py")
     assert cells == every
