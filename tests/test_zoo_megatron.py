@@ -40,6 +40,14 @@ def test_megatrons_own_tp_sp_pipeline_and_expert_parallel_are_green(tmp_path):
         # with tp not on gloo (NOT_RUN)
         cell("moe", "dp2.tp2", "dispatcher_allgather.ep_1.sp_on"): "pass",
         cell("moe", "dp2.tp2", "dispatcher_allgather.ep_2.sp_on"): "pass"}, found
+    # what the zoo cannot run here and what it changed for a CPU, each with why, in each report
+    table, page = ((tmp_path / "out" / f"zoo.{kind}").read_text() for kind in ("md", "html"))
+    not_run, shims = table.split("## Not run here")[-1].split("## CPU shims, none touching the parallel math")
+    assert "| all-to-all dispatcher with tp | gloo has no uneven all_gather," in not_run, table
+    assert "| moe_utils.te_general_gemm | None: it is defined only by Transformer Engine's import" in shims, table
+    assert "<h2>Not run here</h2>" in page and "<td>the causal mask</td>" in page, page[-3000:]
+    made = json.loads((tmp_path / "out" / "zoo.json").read_text())
+    assert "Transformer Engine" in made["not_run"]["multi-latent attention, Transformer Engine specs"], made
 
 
 def plant(tmp_path: Path, file: str, old: str, new: str) -> None:

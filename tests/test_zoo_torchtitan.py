@@ -53,7 +53,13 @@ def test_qwen3_untied_and_tied_under_its_own_parallelize_are_green_on_both_backe
     assert verdicts == {f"tt{model}-{impl}-dp2.tp2-fp32-sched_1f1b.sp_{sp}-steps3-seed0": "pass"
                         for model in ("qwen3", "qwen3tied") for impl in ("partial", "full") for sp in ("on", "off")
                         }, found["cells"]
-    assert (tmp_path / "out" / "zoo.md").read_text().startswith(f"# torchtitan zoo (torchtitan {VERSION}, torch ")
+    table = (tmp_path / "out" / "zoo.md").read_text()
+    assert table.startswith(f"# torchtitan zoo (torchtitan {VERSION}, torch "), table[:300]
+    # what it cannot run here and what it changed for a CPU, each with why, in the report itself
+    not_run, shims = table.split("## Not run here")[-1].split("## CPU shims, none touching the parallel math")
+    assert "| context parallel | its SDPA on a CPU has no DTensor sharding rule |" in not_run, table
+    assert "| FSDP's PREMUL_SUM | a plain SUM (gloo has no PREMUL_SUM; the factor is 1) |" in shims, table
+    assert found["not_run"]["the spmd_types backend"] and found["shims"]["FlexAttention"], found
 
 
 TEST = '''

@@ -8,8 +8,8 @@ It runs the zoo's cells (``zoo_cells`` of :mod:`harness.zoo.transformers`, :mod:
 or :mod:`harness.zoo.megatron`) with pytest in a project of its own in a temporary directory, with the
 pool and the junit record every cell run gets, and writes
 ``zoo.md`` (one row per cell: pass, red with its first line, crash with its cause, skip with its
-reason, known or fixed), ``zoo.html`` (architecture x plan and mesh, coloured) and ``zoo.json`` (the
-same rows) under ``--out``. ``python -m harness.zoo diff old/zoo.json new/zoo.json`` says what changed
+reason, known or fixed; a framework zoo's models and meshes it cannot run here and its CPU shims, each
+with why), ``zoo.html`` (architecture x plan and mesh, coloured) and ``zoo.json`` (the same) under ``--out``. ``python -m harness.zoo diff old/zoo.json new/zoo.json`` says what changed
 between two releases.
 """
 from __future__ import annotations
@@ -166,7 +166,19 @@ def unexercised(found: list[dict], library: str) -> dict[str, dict[str, list[str
     return {model: missed for model in ran if (missed := entries(model))}
 
 
-def markdown(found: list[dict], versions: str, library: str = "transformers", unused: dict | None = None) -> str:
+# a framework zoo's tables of what it cannot run here and what it changes for a CPU, by zoo.json's key
+LIMITS = {"not_run": ("NOT_RUN", "Not run here"), "shims": ("SHIMS", "CPU shims, none touching the parallel math")}
+
+
+def limits(library: str) -> dict[str, dict[str, str]]:
+    """The zoo's ``NOT_RUN`` and ``SHIMS`` (what -> why) by zoo.json's key, those it has (transformers'
+    zoo has neither: what it cannot run is a skipped cell with its reason)."""
+    zoo = _zoo(library)
+    return {key: dict(table) for key, (name, _) in LIMITS.items() if (table := getattr(zoo, name, None))}
+
+
+def markdown(found: list[dict], versions: str, library: str = "transformers", unused: dict | None = None,
+             limited: dict | None = None) -> str:
     lines = [f"# {library} zoo ({versions})", "", counts(found), "",
              "| cell | verdict | why | reproduce |", "|---|---|---|---|"]
     lines += [f"| `{r['cell']}` | {r['verdict']} | {r['why'].replace('|', '/')} | "
@@ -175,10 +187,14 @@ def markdown(found: list[dict], versions: str, library: str = "transformers", un
         lines += ["", f"## {UNEXERCISED}", "", "| model | plan | entries |", "|---|---|---|"]
         lines += [f"| {model} | {plan} | {', '.join(f'`{e}`' for e in missed)} |"
                   for model, plans in unused.items() for plan, missed in plans.items()]
+    for key, table in (limited or {}).items():
+        lines += ["", f"## {LIMITS[key][1]}", "", "| what | why |", "|---|---|"]
+        lines += [f"| {what} | {why.replace('|', '/')} |" for what, why in table.items()]
     return "\n".join(lines) + "\n"
 
 
-def html(found: list[dict], versions: str, library: str = "transformers", unused: dict | None = None) -> str:
+def html(found: list[dict], versions: str, library: str = "transformers", unused: dict | None = None,
+         limited: dict | None = None) -> str:
     """Model x (plan, mesh), each square coloured by its verdict; a legend; below, every cell that did
     not pass with its line and the command that reproduces it. A plan an architecture does not ship
     (no EP plan) reads ``not shipped``; a square of no cell at all, blank (not run)."""
@@ -218,7 +234,10 @@ def html(found: list[dict], versions: str, library: str = "transformers", unused
                + "".join(f"<tr><td>{escape(model)}</td><td>{plan}</td>"
                          f"<td><code>{escape(', '.join(missed))}</code></td></tr>"
                          for model, plans in unused.items() for plan, missed in plans.items()) + "</table>"
-               if unused else ""))
+               if unused else "")
+            + "".join(f"<h2>{escape(LIMITS[key][1])}</h2><table><tr><th>what</th><th>why</th></tr>"
+                      + "".join(f"<tr><td>{escape(what)}</td><td>{escape(why)}</td></tr>" for what, why in table.items())
+                      + "</table>" for key, table in (limited or {}).items()))
 
 
 def changes(old: dict, new: dict, library: str) -> tuple[list[str], list[str]]:
@@ -296,11 +315,11 @@ def run(args) -> int:
               file=sys.stderr)
         return 2
     made = provenance(library, time.monotonic() - started)
-    unused = unexercised(found, library)
+    unused, limited = unexercised(found, library), limits(library)
     versions = title(made)
-    (args.out / "zoo.json").write_text(json.dumps(made | {"cells": found, "unexercised": unused}, indent=1))
-    (args.out / "zoo.md").write_text(markdown(found, versions, library, unused))
-    (args.out / "zoo.html").write_text(html(found, versions, library, unused))
+    (args.out / "zoo.json").write_text(json.dumps(made | {"cells": found, "unexercised": unused} | limited, indent=1))
+    (args.out / "zoo.md").write_text(markdown(found, versions, library, unused, limited))
+    (args.out / "zoo.html").write_text(html(found, versions, library, unused, limited))
     print(f"zoo ({versions}): {counts(found)}: {args.out / 'zoo.md'}, zoo.html, zoo.json")
     return 0
 

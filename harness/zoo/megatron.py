@@ -14,7 +14,7 @@ sequence-parallel and q/k norms' all-reduce over tp), each ``main_grad`` then ha
 gradient: all of it as :class:`harness.model.Parallelized`. The one-process model is the same
 ``GPTModel`` built over process groups of one rank.
 
-CPU shims, none touching the parallel math (:func:`_shim`, each with its reason).
+CPU shims, none touching the parallel math: :data:`SHIMS`, each with its reason (the reports list them).
 """
 from __future__ import annotations
 
@@ -69,6 +69,23 @@ NOT_RUN = {
     "megatron-core 0.15.3, the release before": "its GPTModel reads parallel_state's global tp group whatever "
                                                  "pg_collection it is given (SharedExpertMLP among others), so the "
                                                  "one-process model cannot be built on a rank of a larger world",
+}
+# what the zoo changes for a CPU, each with why; none touches the parallel math
+SHIMS = {
+    "torch.cuda.current_device": "the CPU, where there is no CUDA: Megatron allocates its buffers on the current "
+                                 "device",
+    "CUDA streams and events": "no-ops, where there is no CUDA: the all-to-all dispatcher synchronises on them",
+    "the pipeline schedules' torch.zeros(device='cuda')": "their token counter made on the CPU",
+    "moe_utils.te_general_gemm": "None: it is defined only by Transformer Engine's import, so without TE every "
+                                 "MoE forward raises NameError (an upstream bug)",
+    "the RNG tracker": "Megatron's own inference tracker (no dropout here): the CUDA one seeds CUDA generators",
+    "megatron.core.jit.jit_fuser": "eager, as its disable_jit_fuser() sets it: torch.compile would compile C++ "
+                                   "in every cell",
+    "the all-to-all dispatcher's split sizes": "numpy arrays, as they are on their way off a GPU: "
+                                               "all_to_all_single takes no tensor as sizes",
+    "the layer spec's norms": "torch's, marked sequence_parallel as Megatron's fused and TE norms are: the local "
+                              "spec's WrappedTorchNorm refuses sequence parallelism",
+    "the causal mask": "given explicitly: without one the local attention makes it on CUDA",
 }
 
 

@@ -13,11 +13,7 @@ names, handed to the harness as :class:`harness.model.Pipelined`); inputs and la
 ``Trainer.forward_backward_step`` hands them over; torchtitan's ``cross_entropy_loss`` (a sum) over
 the global token count, the ranks' losses and gradients summed (``ModelCase(loss_reduction="sum")``).
 
-CPU shims, none touching the parallel math (:func:`_shim`, each with its reason): a stand-in for the
-triton kernels module the MoE dispatcher imports, a stand-in ``torchtitan.trainer`` (the model reads
-only its ``Trainer.Config``; the real one imports the data and tracker stack), ``device_type`` cpu,
-torchtitan's own ``ScaledDotProductAttention`` for FlexAttention (no CPU backward), and FSDP's plain
-SUM for ``PREMUL_SUM`` (gloo has none; the factor is 1).
+CPU shims, none touching the parallel math: :data:`SHIMS`, each with its reason (the reports list them).
 
 Implementations (the cell id's second field) are the SPMD backends: ``partial`` (``partial_dtensor``)
 and ``full`` (``full_dtensor``); ``spmd_types`` does not run on torch 2.13 (its ``fully_shard``
@@ -60,6 +56,22 @@ NOT_RUN = {
     "pp meshes, full_dtensor": "its first stage takes the inputs as the DTensors the trainer's "
                                "post_dataloading_process makes; a harness.model.Pipelined schedule is handed "
                                "the plain batch",
+    "context parallel": "its SDPA on a CPU has no DTensor sharding rule",
+    "the spmd_types backend": "torch 2.13's fully_shard rejects its meshes",
+    "expert tensor parallel": "0.3.0's ParallelDims has no etp degree: its experts' tp is ep borrowed from tp, "
+                              "which the MoE meshes run",
+}
+# what the zoo changes for a CPU, each with why; none touches the parallel math
+SHIMS = {
+    "torchtitan.distributed.minimal_async_ep.kernels": "a stand-in: its triton kernels are imported by every "
+                                                       "model and run by none here (GPU only)",
+    "torchtitan.trainer": "a stand-in holding Trainer.Config alone, all the models read; the real one imports "
+                          "the data and tracker stack",
+    "device_type": "cpu, where torchtitan.tools.utils and ParallelDims read 'cuda' at import",
+    "FlexAttention": "torchtitan's own ScaledDotProductAttention instead: FlexAttention has no CPU backward",
+    "FSDP's PREMUL_SUM": "a plain SUM (gloo has no PREMUL_SUM; the factor is 1)",
+    "GroupedExperts.forward": "without its hard-coded .bfloat16() casts: an fp32 cell computes its experts in "
+                              "fp32 (the reference in fp64, _grouped_mm from its fp32 kernel)",
 }
 
 
