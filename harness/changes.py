@@ -18,6 +18,8 @@ change to it selects every cell (conservatively: it is one module for all of the
 from __future__ import annotations
 
 import ast
+import functools
+import os
 import subprocess
 from pathlib import Path
 
@@ -35,6 +37,19 @@ TABLES = ("harness.components",)
 OUTPUTS = ("explore-out/", ".hypothesis/", ".paritytest/")
 
 
+def projects_own(root: Path, files: list[str]) -> list[str]:
+    """``files`` (relative to ``root``) less what the harness writes (:data:`OUTPUTS`), Python's bytecode
+    caches, and what lies in a virtual environment (a directory holding a ``pyvenv.cfg``, as the gate's
+    Install step makes ``.venv`` in the checkout, often not ignored): none is the project's change."""
+    @functools.lru_cache(maxsize=None)
+    def environment(directory: str) -> bool:
+        return bool(directory) and ((root / directory / "pyvenv.cfg").is_file()
+                                    or environment(os.path.dirname(directory)))
+
+    return [f for f in files if not f.startswith(OUTPUTS) and "__pycache__/" not in f and not f.endswith(".pyc")
+            and not environment(os.path.dirname(f))]
+
+
 class ChangedError(ValueError):
     """``--changed REF`` cannot be read (not a git checkout, an unknown ref)."""
 
@@ -49,8 +64,7 @@ def changed_files(root: Path, ref: str) -> list[str]:
                                "give a commit, branch or tag of this checkout, e.g. --changed origin/main")
         return done.stdout
     git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
-    untracked = [n for n in git("ls-files", "--others", "--exclude-standard").splitlines()
-                 if not n.startswith(OUTPUTS)]
+    untracked = projects_own(root, git("ls-files", "--others", "--exclude-standard").splitlines())
     return sorted(set(git("diff", "--name-only", "--relative", ref, "--").splitlines() + untracked))
 
 
@@ -65,9 +79,10 @@ def module_of(path: str) -> str | None:
 
 
 def import_graph(root: Path) -> dict[str, set[str]]:
-    """Every Python module under ``root`` (tracked or not ignored) -> the modules of ``root`` it imports."""
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=root,
-                           capture_output=True, text=True).stdout.splitlines()
+    """Every Python module under ``root`` (tracked or not ignored, outside a virtual environment) -> the
+    modules of ``root`` it imports."""
+    files = projects_own(root, subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+                                              cwd=root, capture_output=True, text=True).stdout.splitlines())
     known = {module_of(f): f for f in files if module_of(f)}
     graph: dict[str, set[str]] = {}
     for name, file in known.items():

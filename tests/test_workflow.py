@@ -185,8 +185,11 @@ def test_the_gates_commands_run_here_write_the_summary_with_the_per_component_ta
 @pytest.mark.slow  # builds a virtual environment and runs the caller's matrix in it
 def test_readmes_caller_runs_in_an_outside_project(tmp_path):
     """A user's repository (docs/implementations.md's "Your own implementation" project, its goldens
-    committed) calling the reusable workflow as docs/ci.md's caller does: the reusable workflow's run steps with
-    the caller's inputs, paritytest installed from a copy of this checkout instead of its URL."""
+    committed on master, its default branch) calling the reusable workflow as docs/ci.md's caller does
+    on two pull requests off master: the reusable workflow's run steps with the caller's inputs and the
+    pull request's base as ``changed``, paritytest installed from a copy of this checkout instead of its
+    URL. A docs-only change runs no cell and passes; a change to the layer runs its 6 cells; golden
+    drift is against master, as GITHUB_BASE_REF names it and as the golden-base input does."""
     project = tmp_path / "myproject"
     for name, text in project_files(code_blocks(doc_section(IMPLEMENTATIONS, "Your own implementation"))).items():
         (project / name).parent.mkdir(parents=True, exist_ok=True)
@@ -197,29 +200,60 @@ def test_readmes_caller_runs_in_an_outside_project(tmp_path):
     inputs = caller_inputs(caller, next(iter(caller["jobs"])))
     assert PARITYTEST_URL in inputs["install"]
     inputs["install"] = inputs["install"].replace(PARITYTEST_URL, str(source))
-    env, steps = reusable_steps(inputs)
     summary = tmp_path / "step-summary.md"
-    env = {**user_env(), **env, "GITHUB_STEP_SUMMARY": str(summary)}
 
-    def git(*args: str):
-        subprocess.run(["git", "-c", "user.name=u", "-c", "user.email=u@example.com", *args], cwd=project,
-                       check=True, capture_output=True)
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=u", "-c", "user.email=u@example.com", *args], cwd=project,
+                              check=True, capture_output=True, text=True).stdout.strip()
 
-    git("init", "-q", "-b", "main")
-    install, *rest = steps
+    def steps(given: dict[str, str], base_ref: str | None) -> list:
+        """The reusable workflow's run steps with the caller's inputs and ``given``, run in the project
+        with GITHUB_BASE_REF ``base_ref`` (set on a pull request's run), and their environment."""
+        env, run = reusable_steps(inputs | given)
+        env = {**user_env(), **env, "GITHUB_STEP_SUMMARY": str(summary)} | ({"GITHUB_BASE_REF": base_ref} if base_ref else {})
+        return [(step, env) for step in run]
+
+    def pull_request(branch: str, path: str, text: str, base_ref: str | None = None, **given: str) -> tuple[str, str]:
+        """The steps after Install on a branch off master that appends ``text`` to ``path``; the summary
+        and the Matrix step's output."""
+        git("checkout", "-q", "-b", branch, "master")
+        with open(project / path, "a") as file:
+            file.write(text)
+        git("add", path)
+        git("commit", "-q", "-m", f"a change to {path}")
+        shutil.rmtree(project / "reports", ignore_errors=True)
+        summary.write_text("")
+        out = {step["name"]: run_step(step, project, env, timeout=600)
+               for step, env in steps({"changed": "master", **given}, base_ref)[1:]}
+        return summary.read_text(), out["Matrix"].stdout + out["Matrix"].stderr
+
+    git("init", "-q", "-b", "master")  # a default branch that is not main
+    (install, env), *_ = steps({}, None)
     assert install["name"] == "Install"
     run_step(install, project, env)
-    # the user's first local run wrote the goldens (docs/implementations.md), committed before the pull request
+    # the user's first local run wrote the goldens (docs/implementations.md), committed before the pull requests
     first = subprocess.run([".venv/bin/python", "-m", "pytest", "-n", "2"], cwd=project, env=user_env(),
                            capture_output=True, text=True, timeout=600)
     assert first.returncode == 0 and "golden files written for 6 cells" in first.stdout, first.stdout[-3000:]
-    git("add", "-A", "mypkg", "tests_parity", "pytest.ini", "golden")
+    # no .gitignore: the checkout's .venv and bytecode caches lie there untracked, as in a CI checkout
+    git("add", *(str(f.relative_to(project)) for f in project.glob("*/*.py")), "pytest.ini", "golden")
     git("commit", "-q", "-m", "my parity cells and their goldens")
-    for step in rest:
-        run_step(step, project, env, timeout=600)
-    text = summary.read_text()
-    assert text.startswith("## ✅ Parity: all 6 cells that ran passed")
+
+    # a docs-only change: nothing to run is a pass, and the drift is against GitHub's base branch
+    text, matrix = pull_request("docs", "README.md", "How to run these cells: docs/implementations.md\n",
+                                base_ref="master")
+    assert text.startswith("## ✅ Parity: no cell ran (the run selected none)"), text[:2000]
+    # the README alone: the Install step's .venv, in the checkout and not ignored, is installed code
+    assert "--changed: 1 files changed (0 modules, 0 golden files)" in matrix, matrix[-3000:]
+    master = git("rev-parse", "master")[:12]
+    assert f"no golden file changed since `{master}`" in (project / "reports" / "golden-diff.md").read_text()
+    # a change to the layer selects its cells; the drift against the golden-base input (no GITHUB_BASE_REF)
+    text, matrix = pull_request("layer", "mypkg/tp_impl.py", "\n# a change to the layer\n",
+                                **{"golden-base": "master"})
+    assert "--changed: 1 files changed (1 modules, 0 golden files)" in matrix, matrix[-3000:]
+    assert text.startswith("## ✅ Parity: all 6 cells that ran passed"), text[:2000]
     assert _summary_rows(text)["`tp`"][:2] == [" 6 ", " 0 "]
-    assert "**Goldens:** " in text and "**Versions:** paritytest " in text and ", torch 2.13.0" in text
+    assert "**Goldens:** no golden file changed since `master`" in text
+    assert "**Versions:** paritytest " in text and ", torch 2.13.0" in text
     for name in ("cases.xml", "golden-diff.md", "golden-check.txt", "summary.md", "report.html", "heatmap-tp.png"):
         assert (project / "reports" / name).is_file(), name

@@ -216,6 +216,8 @@ def summary(results: Results, golden_diff: str = "", heatmaps: dict[str, Path] |
     if failed or others_failed:
         head = f"❌ Parity: {len(failed)} of {len(cells)} cells failed"
         head += f", {len(others_failed)} other tests failed" if others_failed else ""
+    elif not cells:  # a --changed run whose change moves no cell: a pass, said as what it is
+        head = "✅ Parity: no cell ran (the run selected none)"
     else:
         head = f"✅ Parity: all {len(cells) - skipped} cells that ran passed"
     doc.heading(2, head + (f" ({skipped} skipped)" if skipped else ""))
