@@ -206,12 +206,12 @@ def test_readmes_caller_runs_in_an_outside_project(tmp_path):
         return subprocess.run(["git", "-c", "user.name=u", "-c", "user.email=u@example.com", *args], cwd=project,
                               check=True, capture_output=True, text=True).stdout.strip()
 
-    def steps(given: dict[str, str], base_ref: str | None) -> list:
-        """The reusable workflow's run steps with the caller's inputs and ``given``, run in the project
-        with GITHUB_BASE_REF ``base_ref`` (set on a pull request's run), and their environment."""
+    def steps(given: dict[str, str], base_ref: str | None) -> tuple[dict[str, str], list[dict]]:
+        """:func:`reusable_steps` with the caller's inputs and ``given``, its environment the user's with
+        GITHUB_BASE_REF ``base_ref`` (set on a pull request's run)."""
         env, run = reusable_steps(inputs | given)
-        env = {**user_env(), **env, "GITHUB_STEP_SUMMARY": str(summary)} | ({"GITHUB_BASE_REF": base_ref} if base_ref else {})
-        return [(step, env) for step in run]
+        env = {**user_env(), **env, "GITHUB_STEP_SUMMARY": str(summary)}
+        return env | ({"GITHUB_BASE_REF": base_ref} if base_ref else {}), run
 
     def pull_request(branch: str, path: str, text: str, base_ref: str | None = None, **given: str) -> tuple[str, str]:
         """The steps after Install on a branch off master that appends ``text`` to ``path``; the summary
@@ -223,12 +223,12 @@ def test_readmes_caller_runs_in_an_outside_project(tmp_path):
         git("commit", "-q", "-m", f"a change to {path}")
         shutil.rmtree(project / "reports", ignore_errors=True)
         summary.write_text("")
-        out = {step["name"]: run_step(step, project, env, timeout=600)
-               for step, env in steps({"changed": "master", **given}, base_ref)[1:]}
+        env, run = steps({"changed": "master", **given}, base_ref)
+        out = {step["name"]: run_step(step, project, env, timeout=600) for step in run[1:]}
         return summary.read_text(), out["Matrix"].stdout + out["Matrix"].stderr
 
     git("init", "-q", "-b", "master")  # a default branch that is not main
-    (install, env), *_ = steps({}, None)
+    env, (install, *_) = steps({}, None)
     assert install["name"] == "Install"
     run_step(install, project, env)
     # the user's first local run wrote the goldens (docs/implementations.md), committed before the pull requests

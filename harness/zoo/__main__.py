@@ -9,8 +9,8 @@ or :mod:`harness.zoo.megatron`) with pytest in a project of its own in a tempora
 pool and the junit record every cell run gets, and writes
 ``zoo.md`` (one row per cell: pass, red with its first line, crash with its cause, skip with its
 reason, known or fixed; a framework zoo's models and meshes it cannot run here and its CPU shims, each
-with why), ``zoo.html`` (architecture x plan and mesh, coloured) and ``zoo.json`` (the same) under ``--out``. ``python -m harness.zoo diff old/zoo.json new/zoo.json`` says what changed
-between two releases.
+with why), ``zoo.html`` (architecture x plan and mesh, coloured) and ``zoo.json`` (the same) under
+``--out``. ``python -m harness.zoo diff old/zoo.json new/zoo.json`` says what changed between two releases.
 """
 from __future__ import annotations
 
@@ -236,7 +236,8 @@ def html(found: list[dict], versions: str, library: str = "transformers", unused
                          for model, plans in unused.items() for plan, missed in plans.items()) + "</table>"
                if unused else "")
             + "".join(f"<h2>{escape(LIMITS[key][1])}</h2><table><tr><th>what</th><th>why</th></tr>"
-                      + "".join(f"<tr><td>{escape(what)}</td><td>{escape(why)}</td></tr>" for what, why in table.items())
+                      + "".join(f"<tr><td>{escape(what)}</td><td>{escape(why)}</td></tr>"
+                                for what, why in table.items())
                       + "</table>" for key, table in (limited or {}).items()))
 
 
