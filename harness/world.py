@@ -144,10 +144,15 @@ def clear_sharding_cache() -> None:
     """Empty DTensor's cache of sharding decisions, where DTensor was imported: without it no
     cache exists, and importing it (0.6 s, sympy included) in a rank forked from a zygote that
     never did would cost every rank that time at its first change of world."""
-    if "torch.distributed.tensor" in sys.modules:
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    # what torch.distributed.tensor.debug._clear_sharding_prop_cache does, without importing that
+    # module: it imports CommDebugMode and with it torch._dynamo (0.6 s in each user's pytest process)
+    import torch
+    from torch.distributed.tensor import DTensor
 
-        _clear_sharding_prop_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 @contextlib.contextmanager
