@@ -18,9 +18,10 @@ import contextlib
 import os
 import re
 import sys
+import weakref
 from datetime import timedelta
 
-from .names import GROUPS, TORCHTITAN
+from .names import DENSE, GROUPS, TORCHTITAN
 
 # what torchrun sets for every worker, set for every rank of a cell's world
 ENVIRONMENT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -257,18 +258,64 @@ def explained(error: BaseException, size: int) -> str | None:
                     f"them in (torch: \"Mesh dim indices should be in ascending order\"): slice in the mesh's own "
                     f"order{', e.g. [' + ', '.join(repr(n) for n in reversed(names)) + ']' if len(names) == 2 else ''}")
         if isinstance(cause, KeyError) and asked:
-            names = re.findall(r"'(\w+)'", asked.group(1))
-            titan = [n for n in names if n in TORCHTITAN.values() and n not in GROUPS]
-            fix = ("ModelCase(mesh_names='torchtitan') hands them over with torchtitan's names" if titan else
-                   "ModelCase(mesh_names={...}) hands them over with names of your own")
-            return (f"the cell's code asked a mesh for {', '.join(names)}{where}, which it does not name ({text.strip(chr(34))}); "
-                    f"the harness names the dims {', '.join(GROUPS)} (harness.names): {fix} (docs/models.md)")
+            return _name_not_on_mesh(cause, re.findall(r"'(\w+)'", asked.group(1)), text.strip(chr(34)), where)
         if isinstance(cause, KeyError) and cause.args and isinstance(cause.args[0], str) \
                 and cause.__traceback__ is not None and _raised_by_environ(cause):
             return (f"the cell's code read the environment variable {cause.args[0]}{where}, which this cell's "
                     f"world does not set: it sets {', '.join(ENVIRONMENT)} as torchrun does; read one of those, "
                     "or give a default with os.environ.get")
     return None
+
+
+def _name_not_on_mesh(error: KeyError, names: list[str], text: str, where: str) -> str:
+    """The line for a mesh asked for dims it does not name. The fix depends on whose mesh it is: the
+    harness's under its own names (``ModelCase.mesh_names`` hands over a trainer's), the harness's
+    under the names ``mesh_names`` gives (ask for one of those), or one the cell's code built."""
+    asked = f"the cell's code asked a mesh for {', '.join(names)}{where}, which it does not name ({text})"
+    mesh = _mesh_indexed(error)
+    if mesh is None or not built_by_harness(mesh):
+        return f"{asked}: the mesh is one the cell's code built; ask it for one of its own dims"
+    root = mesh._get_root_mesh()
+    if tuple(root.mesh_dim_names or ()) != ("world",):  # Meshes.renamed: the case's mesh_names are in effect
+        shown = dict(zip(DENSE, root.mesh_dim_names[-len(DENSE):]))
+        ours = [f"{n!r} is {shown[n]!r}" for n in names if shown.get(n, n) != n]
+        return (f"{asked}: ModelCase.mesh_names names this case's dims as above"
+                f"{' (' + ', '.join(ours) + ')' if ours else ''}; ask for one of those, or map the harness's "
+                f"group ({', '.join(GROUPS)}) to that name in mesh_names (docs/models.md)")
+    titan = [n for n in names if n in TORCHTITAN.values() and n not in GROUPS]
+    fix = ("ModelCase(mesh_names='torchtitan') hands them over with torchtitan's names" if titan else
+           "ModelCase(mesh_names={...}) hands them over with names of your own")
+    return f"{asked}; the harness names the dims {', '.join(GROUPS)} (harness.names): {fix} (docs/models.md)"
+
+
+# the root meshes the harness built for cells (harness.meshes), by identity: a DeviceMesh equals any
+# other of its shape and names, one the cell's code built too
+_HARNESS_MESHES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def harness_mesh(root):
+    """``root``, a root mesh the harness built for a cell, known as such to the messages here."""
+    _HARNESS_MESHES[id(root)] = root
+    return root
+
+
+def built_by_harness(mesh) -> bool:
+    """Whether ``mesh`` was cut from a root mesh the harness built, not one the cell's code built."""
+    root = mesh._get_root_mesh()
+    return _HARNESS_MESHES.get(id(root)) is root
+
+
+def _mesh_indexed(error: BaseException):
+    """The ``DeviceMesh`` whose slicing raised ``error`` (the innermost frame's ``self`` that is one)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh, tb = None, error.__traceback__
+    while tb is not None:
+        candidate = tb.tb_frame.f_locals.get("self")
+        if isinstance(candidate, DeviceMesh):
+            mesh = candidate
+        tb = tb.tb_next
+    return mesh
 
 
 def _raised_by_environ(error: KeyError) -> bool:

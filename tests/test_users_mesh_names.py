@@ -4,7 +4,8 @@ meshes named as torchtitan names them (``dp_replicate``, ``dp_shard``, flattened
 over the same ranks, and its cells pass; without it, the cell says in one line which name it asked
 for and how to keep it; and a planted bug in the same function (FSDP over ``dp_replicate`` instead of
 ``dp_shard_cp``: on ``dp=2`` nothing reduces the gradients) is red; a slice out of the mesh's order
-is told as that, not as a name to map. The function reads the running cell
+is told as that, not as a name to map; a name the case's ``mesh_names`` renamed, or asked of a mesh the
+function built itself, gets no advice to set ``mesh_names``. The function reads the running cell
 (``harness.model.running()``) too."""
 import textwrap
 
@@ -14,7 +15,9 @@ MODEL = textwrap.dedent('''\
     import dataclasses
 
     import torch
+    import torch.distributed as dist
     from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -72,10 +75,21 @@ MODEL = textwrap.dedent('''\
         return model
 
 
+    def harness_name(model, meshes):  # the harness's name for a group that mesh_names renamed
+        fully_shard(model, mesh=meshes.dense["rep"])
+        return model
+
+
+    def own_mesh(model, meshes):  # a mesh the function builds itself, asked for a name it does not give
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
+        fully_shard(model, mesh=mesh["dp_shard"])
+        return model
+
+
     CASE = ModelCase(build=MLP, batch=batch, loss=loss, mesh_names="torchtitan",
                      parallelize={"titan": parallelize, "fsdpbug": fsdp_over_replicate, "norep": fsdp_without_replicate,
                                  "reponly": fsdp_over_replicate_alone,
-                                 "reversed": reversed_slice})
+                                 "reversed": reversed_slice, "ourname": harness_name, "ownmesh": own_mesh})
     OURS = dataclasses.replace(CASE, mesh_names=None)
     ''')
 CONFTEST = textwrap.dedent('''\
@@ -93,6 +107,7 @@ TEST = textwrap.dedent('''\
              + model_cells("mlp", impls=["fsdpbug"], meshes=["dp=2"])
              + model_cells("mlp", impls=["reponly", "norep"], meshes=["rep=2,dp=2"])
              + model_cells("mlp", impls=["reversed"], meshes=["rep=2,dp=2"])
+             + model_cells("mlp", impls=["ourname", "ownmesh"], meshes=["dp=2"])
              + model_cells("mlpours", impls=["titan"], meshes=["dp=2"]))
 
 
@@ -106,7 +121,7 @@ def test_a_torchtitan_named_parallelize_runs_unchanged(user_project):
     user_project.write({"mymodel.py": MODEL, "conftest.py": CONFTEST, "test_mlp.py": TEST})
     done = user_project.pytest("--case-deadline", "120")
     out = done.stdout
-    assert done.returncode == 1 and "5 failed, 4 passed" in out, done.tail
+    assert done.returncode == 1 and "7 failed, 4 passed" in out, done.tail
     for mesh in ("dp2", "rep2.dp2", "dp2.tp2", "tp2"):
         assert f"PASSED test_mlp.py::test_mlp[mlp-titan-{mesh}-" not in out  # -q: only failures are named
         assert f"test_mlp[mlp-titan-{mesh}-" not in out.split("short test summary")[1]
@@ -128,3 +143,13 @@ def test_a_torchtitan_named_parallelize_runs_unchanged(user_project):
     backwards = flat(out.split("test_mlp[mlp-reversed-rep2.dp2")[1].split("reproduce:")[0])
     assert "the cell's code sliced a mesh by dp_shard_cp, dp_replicate (at mymodel.py:" in backwards, backwards[:3000]
     assert "e.g. ['dp_replicate', 'dp_shard_cp']" in backwards and "mesh_names" not in backwards, backwards[:3000]
+    # a name the case's mesh_names renamed: no advice to set what is set, but the name it has here
+    renamed = flat(out.split("test_mlp[mlp-ourname-dp2")[1].split("reproduce:")[0])
+    assert "the cell's code asked a mesh for rep (at mymodel.py:" in renamed, renamed[:3000]
+    assert "ModelCase.mesh_names names this case's dims as above ('rep' is 'dp_replicate')" in renamed, renamed[:3000]
+    assert "mesh_names='torchtitan'" not in renamed, renamed[:3000]
+    # a mesh the function built: the harness's names and mesh_names have nothing to do with it
+    own = flat(out.split("test_mlp[mlp-ownmesh-dp2")[1].split("reproduce:")[0])
+    assert "the cell's code asked a mesh for dp_shard (at mymodel.py:" in own, own[:3000]
+    assert "Valid mesh_dim_names are ['shard']" in own and "the mesh is one the cell's code built" in own, own[:3000]
+    assert "mesh_names" not in own, own[:3000]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, fields
 from ..config import ConfigError
 from ..layout import MeshLayout
 from ..names import DEGREES, DENSE, FLATTENED, GROUPS, SPARSE, unknown_dim
+from ..world import harness_mesh
 
 
 @dataclass(frozen=True)
@@ -216,8 +217,8 @@ class Meshes:
         copies = self.world.size() // self.spec.world
         lead, size = (("copy",), (copies,)) if copies > 1 else ((), ())
         shape = size + tuple(getattr(self.spec, n) for n in DENSE)
-        root = DeviceMesh(self.world.device_type, torch.arange(self.world.size()).view(shape),
-                          mesh_dim_names=lead + tuple(names.get(d, d) for d in DENSE))
+        root = harness_mesh(DeviceMesh(self.world.device_type, torch.arange(self.world.size()).view(shape),
+                                mesh_dim_names=lead + tuple(names.get(d, d) for d in DENSE)))
         return _cut(self.spec, root._flatten("world"), names, root)
 
     def group(self, name: str):
@@ -269,8 +270,9 @@ def build(spec: MeshSpec, device_type: str = "cpu", copies: int = 1) -> Meshes:
     from torch.distributed.device_mesh import DeviceMesh
 
     spec.validate()
-    world = DeviceMesh(device_type, torch.arange(copies * spec.world), mesh_dim_names=("world",))
+    world = harness_mesh(DeviceMesh(device_type, torch.arange(copies * spec.world), mesh_dim_names=("world",)))
     return _cut(spec, world, {})
+
 
 
 def _cut(spec: MeshSpec, world, names: dict[str, str], dense=None) -> Meshes:
