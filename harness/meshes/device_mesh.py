@@ -218,7 +218,7 @@ class Meshes:
         lead, size = (("copy",), (copies,)) if copies > 1 else ((), ())
         shape = size + tuple(getattr(self.spec, n) for n in DENSE)
         root = harness_mesh(DeviceMesh(self.world.device_type, torch.arange(self.world.size()).view(shape),
-                                mesh_dim_names=lead + tuple(names.get(d, d) for d in DENSE)))
+                                       mesh_dim_names=lead + tuple(names.get(d, d) for d in DENSE)))
         return _cut(self.spec, root._flatten("world"), names, root)
 
     def group(self, name: str):
@@ -272,7 +272,6 @@ def build(spec: MeshSpec, device_type: str = "cpu", copies: int = 1) -> Meshes:
     spec.validate()
     world = harness_mesh(DeviceMesh(device_type, torch.arange(copies * spec.world), mesh_dim_names=("world",)))
     return _cut(spec, world, {})
-
 
 
 def _cut(spec: MeshSpec, world, names: dict[str, str], dense=None) -> Meshes:
