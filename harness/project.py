@@ -149,8 +149,10 @@ def load(directory: str | os.PathLike = ".", args: Sequence[str] = ()) -> Projec
     # Silent by taking pytest's stdout, not by blocking its terminal plugin (-p no:terminal): the
     # options that plugin defines (-q, -v, -r, --tb, ...) are then unrecognised arguments (pytest 9),
     # wherever they come from, a user's addopts included.
+    # --assert=plain: nothing collected here runs as a test, so rewriting each test module's asserts
+    # (compiled anew in every process where bytecode is not written) buys nothing
     with _cwd(directory), contextlib.redirect_stdout(io.StringIO()):
-        code = pytest.main(["--collect-only", *args], plugins=[seen])
+        code = pytest.main(["--collect-only", "--assert=plain", *args], plugins=[seen])
     sys.path[:0] = [p for p in dict.fromkeys([*seen.sys_path, str(directory)]) if p not in sys.path]
     if seen.new_cache is not None:
         shutil.rmtree(seen.new_cache, ignore_errors=True)
