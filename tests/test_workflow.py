@@ -180,6 +180,9 @@ def test_the_gates_commands_run_here_write_the_summary_with_the_per_component_ta
     for name in ("tests.xml", "cases.xml", "golden-diff.md", "golden-check.txt", "summary.md", "report.html",
                  "heatmap-tp.png", "heatmap-ringattn.png"):
         assert (reports / name).is_file(), name
+    # the Golden drift step's check ran on this repository's goldens and every cell (the gate's own check)
+    check = (reports / "golden-check.txt").read_text()
+    assert check.splitlines()[0].endswith(" collected cells: OK"), check[-3000:]
 
 
 @pytest.mark.slow  # builds a virtual environment and runs the caller's matrix in it
