@@ -83,7 +83,8 @@ def pytest_collection_modifyitems(config, items):
 def pages_project(tmp_path_factory):
     """docs/implementations.md's "Your own implementation" project with the harness installed by the
     page's command: made once for the whole run, by whichever xdist worker asks first (the install is
-    a minute or two); test_outside_project runs it, test_bisect_project uses its interpreter."""
+    a minute or two); test_bisect_project uses its interpreter (test_workflow's caller runs the page's
+    run command in the environment its caller's Install step made)."""
     from filelock import FileLock
 
     from tests.test_outside_project import install_the_pages_project

@@ -1,15 +1,15 @@
 """docs/implementations.md's "Your own implementation", followed to the letter in a project outside
-this checkout.
+this checkout: its blocks, its install command (:func:`install_the_pages_project`, into a fresh
+virtual environment: no PYTHONPATH, not run from this checkout) and its run command, for the tests
+that run the page's project (test_bisect_project; test_workflow's caller, which runs the page's run
+command and holds its goldens).
 
-The files and commands come from the page's code blocks, not from this test: a page that drifts
-from what works fails here. The harness is installed into a fresh virtual environment (no
-PYTHONPATH, not run from this checkout), as a user's project would have it.
+The files and commands come from the page's code blocks, not from the tests: a page that drifts
+from what works fails there.
 """
 import re
 import subprocess
 from pathlib import Path
-
-import pytest
 
 from tests.checkout import copy_checkout, user_env
 
@@ -74,27 +74,3 @@ def install_the_pages_project(base: Path) -> Path:
                           env=user_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
     return project
-
-
-@pytest.mark.slow
-def test_an_outside_project_runs_its_own_implementation_as_readme_says(pages_project):
-    """The page's project (installed once for the run: tests/conftest.py's ``pages_project``)."""
-    project = pages_project
-
-    def sh(script: str, timeout: float) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=project, env=user_env(),
-                              capture_output=True, text=True, timeout=timeout)
-
-    where = sh('.venv/bin/python -c "import harness; print(harness.__file__)"', timeout=60)
-    assert str(project / ".venv") in where.stdout, where.stdout + where.stderr  # installed, not borrowed
-
-    _, run = pages_commands()
-    first = sh(run, timeout=600)
-    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
-    assert "6 passed" in first.stdout
-    goldens = sorted(p.name for p in (project / "golden" / "tp").iterdir())
-    assert len(goldens) == 6 and all(g.startswith("tp-mine-") for g in goldens)
-    assert "golden files written for 6 cells" in first.stdout
-
-    again = sh(run.strip() + " --strict-golden", timeout=600)  # what CI runs once they are committed
-    assert again.returncode == 0 and "6 passed" in again.stdout, again.stdout[-4000:]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from .checkout import ROOT, copy_checkout, user_env
-from .test_outside_project import IMPLEMENTATIONS, code_blocks, doc_section, project_files
+from .test_outside_project import IMPLEMENTATIONS, code_blocks, doc_section, pages_commands, project_files
 
 WORKFLOWS = ROOT / ".github" / "workflows"
 WORKFLOW = WORKFLOWS / "parity.yml"
@@ -191,8 +191,10 @@ def test_readmes_caller_runs_in_an_outside_project(tmp_path):
     committed on master, its default branch) calling the reusable workflow as docs/ci.md's caller does
     on two pull requests off master: the reusable workflow's run steps with the caller's inputs and the
     pull request's base as ``changed``, paritytest installed from a copy of this checkout instead of its
-    URL. A docs-only change runs no cell and passes; a change to the layer runs its 6 cells; golden
-    drift is against master, as GITHUB_BASE_REF names it and as the golden-base input does."""
+    URL. The user's first run, by that page's own command, writes the 6 goldens with the harness the
+    Install step put in .venv; a docs-only change runs no cell and passes; a change to the layer runs its
+    6 cells, held to their goldens; golden drift is against master, as GITHUB_BASE_REF names it and as
+    the golden-base input does."""
     project = tmp_path / "myproject"
     for name, text in project_files(code_blocks(doc_section(IMPLEMENTATIONS, "Your own implementation"))).items():
         (project / name).parent.mkdir(parents=True, exist_ok=True)
@@ -201,7 +203,7 @@ def test_readmes_caller_runs_in_an_outside_project(tmp_path):
     source = copy_checkout(tmp_path / "paritytest")
     caller = yaml().safe_load(readme_caller())
     inputs = caller_inputs(caller, next(iter(caller["jobs"])))
-    assert PARITYTEST_URL in inputs["install"]
+    assert PARITYTEST_URL in inputs["install"] and "--strict-golden" in inputs["pytest-args"]
     inputs["install"] = inputs["install"].replace(PARITYTEST_URL, str(source))
     summary = tmp_path / "step-summary.md"
 
@@ -234,10 +236,18 @@ def test_readmes_caller_runs_in_an_outside_project(tmp_path):
     env, (install, *_) = steps({}, None)
     assert install["name"] == "Install"
     run_step(install, project, env)
-    # the user's first local run wrote the goldens (docs/implementations.md), committed before the pull requests
-    first = subprocess.run([".venv/bin/python", "-m", "pytest", "-n", "2"], cwd=project, env=user_env(),
+    # the harness the Install step put in the project's .venv is what runs there, not this checkout's
+    where = subprocess.run([".venv/bin/python", "-c", "import harness; print(harness.__file__)"], cwd=project,
+                           env=user_env(), capture_output=True, text=True, timeout=120)
+    assert str(project / ".venv") in where.stdout, where.stdout + where.stderr
+    # the user's first local run, by docs/implementations.md's own command, wrote the goldens, committed
+    # before the pull requests (whose Matrix steps then hold them with --strict-golden)
+    first = subprocess.run(["bash", "-euo", "pipefail", "-c", pages_commands()[1]], cwd=project, env=user_env(),
                            capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0 and "golden files written for 6 cells" in first.stdout, first.stdout[-3000:]
+    assert first.returncode == 0 and "6 passed" in first.stdout, first.stdout[-3000:] + first.stderr[-2000:]
+    assert "golden files written for 6 cells" in first.stdout, first.stdout[-3000:]
+    goldens = sorted(p.name for p in (project / "golden" / "tp").iterdir())
+    assert len(goldens) == 6 and all(g.startswith("tp-mine-") for g in goldens), goldens
     # no .gitignore: the checkout's .venv and bytecode caches lie there untracked, as in a CI checkout
     git("add", *(str(f.relative_to(project)) for f in project.glob("*/*.py")), "pytest.ini", "golden")
     git("commit", "-q", "-m", "my parity cells and their goldens")
