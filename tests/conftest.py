@@ -79,25 +79,6 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path not in slow)
 
 
-@pytest.fixture(scope="session")
-def pages_project(tmp_path_factory):
-    """docs/implementations.md's "Your own implementation" project with the harness installed by the
-    page's command: made once for the whole run, by whichever xdist worker asks first (the install is
-    a minute or two); test_bisect_project uses its interpreter (test_workflow's caller runs the page's
-    run command in the environment its caller's Install step made)."""
-    from filelock import FileLock
-
-    from tests.test_outside_project import install_the_pages_project
-
-    shared = tmp_path_factory.getbasetemp().parent / "pages-project"  # every worker's basetemp's parent
-    shared.mkdir(exist_ok=True)
-    with FileLock(str(shared) + ".lock"):
-        if not (shared / "installed").exists():
-            install_the_pages_project(shared)
-            (shared / "installed").touch()
-    return shared / "myproject"
-
-
 @pytest.fixture(scope="module")
 def small_pool():
     """A private pool of 4 ranks with a short deadline, so fault tests need not wait long."""

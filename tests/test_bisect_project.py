@@ -16,7 +16,8 @@ import pytest
 from tests.checkout import user_env
 from tests.conftest import flat
 from tests.test_bisect import OUT
-from tests.test_outside_project import IMPLEMENTATIONS, code_blocks, doc_section, project_files
+from tests.test_outside_project import (IMPLEMENTATIONS, code_blocks, doc_section, install_the_pages_project,
+                                        project_files)
 
 pytestmark = pytest.mark.slow
 
@@ -27,10 +28,10 @@ WIDE = "tp-mine-tp4-bf16-op_colshard-b4.f32.h16.s8.v40-seed0"
 
 
 @pytest.fixture(scope="module")
-def python(pages_project) -> Path:
+def python(tmp_path_factory) -> Path:
     """The interpreter of a virtual environment made by the page's install command (in the page's own
-    project, installed once for the run: tests/conftest.py), outside the projects these tests make."""
-    return pages_project / ".venv" / "bin" / "python"
+    project, installed once for this module, a minute or two), outside the projects these tests make."""
+    return install_the_pages_project(tmp_path_factory.mktemp("pages")) / ".venv" / "bin" / "python"
 
 
 def make_project(path: Path, bug: bool = False) -> Path:

@@ -108,7 +108,8 @@ def test_the_report_names_the_versions_and_warns_at_the_top(tmp_path):
 def test_a_maintainer_with_an_older_transformers_installed_over_the_pin_is_told(tmp_path):
     """As a maintainer bumping transformers would: an older 5.x installed over the pin with pip, then a
     few hf cells run from a checkout with junit XML and the report. (README's install itself is
-    .ci/run's first step and the pages' projects' (test_bisect_project, test_workflow); here a virtual environment over this run's.)"""
+    .ci/run's first step, and a fresh install of the harness test_bisect_project's and test_workflow's;
+    here a virtual environment over this run's.)"""
     source = copy_checkout(tmp_path / "paritytest")
     env = user_env()
     python = venv_over_this_one(tmp_path / "venv")
