@@ -109,6 +109,27 @@ def test_without_megatron_core_the_zoo_says_how_to_install_it(tmp_path):
     assert "Traceback" not in done.stderr and not (tmp_path / "zoo-out").exists()
 
 
+def test_the_release_before_is_refused_in_one_line_that_says_why_and_what_to_install(tmp_path):
+    """megatron-core 0.15.3 over this environment's 0.16.1: every cell skipped, one by one, where its
+    one-process model could not be built; now the zoo refuses it before it imports Megatron-Core."""
+    from harness.zoo.megatron import VERSION
+    from tests.checkout import venv_over_this_one
+
+    python = venv_over_this_one(tmp_path / "venv")
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+                           "megatron-core==0.15.3"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = subprocess.run([str(python), "-m", "harness.zoo", "megatron"], cwd=tmp_path, env=env_for(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"python -m harness.zoo megatron: the megatron-core zoo is written against megatron-core "
+                           f"{VERSION}, and 0.15.3 is installed: 0.15's GPTModel reads parallel_state's global tp "
+                           "group"), line
+    assert line.endswith(f"Install {VERSION}: pip install -e '.[megatron]'"), line
+    assert not (tmp_path / "zoo-out").exists()
+
+
 def test_the_nightly_megatron_job_installs_and_runs_as_tested_here():
     from tests.test_workflow import WORKFLOWS, lint, load
 

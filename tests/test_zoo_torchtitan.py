@@ -157,6 +157,24 @@ def test_without_torchtitan_the_zoo_says_how_to_install_it(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+def test_the_release_before_is_refused_in_one_line_that_says_why_and_what_to_install(tmp_path):
+    """torchtitan 0.2.2 installed as docs/zoo.md installs 0.3.0 (without its dependencies): its API is not
+    the one the zoo's glue calls, which failed deep inside torchtitan's own imports (triton, at 0.2's path)
+    and named only the missing triton."""
+    python = venv_over_this_one(tmp_path / "venv")
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+                           "torchtitan==0.2.2"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = zoo(python, tmp_path, "--only", "qwen3")
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"python -m harness.zoo torchtitan: the torchtitan zoo is written against torchtitan "
+                           f"{VERSION}, and 0.2.2 is installed: 0.2's models are built from a TrainSpec"), line
+    assert line.endswith(f"Install {VERSION}: pip install -e '.[torchtitan]' && pip install --no-deps "
+                         f"torchtitan=={VERSION}"), line
+    assert not (tmp_path / "zoo-out").exists()
+
+
 def test_the_nightly_torchtitan_job_installs_and_runs_as_tested_here():
     from tests.test_workflow import WORKFLOWS, lint, load
 

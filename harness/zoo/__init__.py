@@ -3,4 +3,22 @@ against one process (``python -m harness.zoo transformers``; :mod:`harness.zoo.t
 
 
 class ZooMissing(RuntimeError):
-    """The library a zoo checks is not installed; the message says how to install it."""
+    """The library a zoo checks is not installed, or not a release it can run; the message says how to
+    install one that it can."""
+
+
+def require_release(missing: type[ZooMissing], library: str, installed: str | None, written_for: str,
+                    install: str, unsupported: dict[str, str]) -> None:
+    """Raise ``missing`` unless ``installed`` is of the release series (major.minor) that the zoo's glue
+    is ``written_for``: a framework whose API moves between minor releases (torchtitan, Megatron-Core)
+    fails there deep inside its own imports, or builds something else. ``unsupported``: why a series
+    cannot run, by its ``major.minor`` (the zoo's ``NOT_RUN`` names the same), said in the line.
+    ``installed`` None (a source checkout on the path, no distribution's metadata): not refused."""
+    if installed is None:
+        return
+    series = ".".join(installed.split(".")[:2])
+    if series == ".".join(written_for.split(".")[:2]):
+        return
+    why = unsupported.get(series)
+    raise missing(f"the {library} zoo is written against {library} {written_for}, and {installed} is installed"
+                  f"{f': {why}' if why else ''}. Install {written_for}: {install}")

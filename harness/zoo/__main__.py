@@ -109,8 +109,8 @@ def provenance(library: str, seconds: float) -> dict:
         commit = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
         harness += f" (commit {commit})" if commit else ""
-    return {"library": library, library: _zoo(library).version(), "torch": torch.__version__,
-            "python": platform.python_version(), "harness": harness,
+    return {"library": library, library: _zoo(library).version() or "unknown (no package metadata)",
+            "torch": torch.__version__, "python": platform.python_version(), "harness": harness,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "minutes": round(seconds / 60, 1)}
 

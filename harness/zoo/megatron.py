@@ -30,7 +30,7 @@ from harness.layout import Shard
 from harness.model import ModelCase, Parallelized, load_shards, model_cells, running, switches
 from harness.model.register import model_component
 from harness.registry import register_component
-from harness.zoo import ZooMissing
+from harness.zoo import ZooMissing, require_release
 
 VERSION = "0.16.1"  # the release the shims and tiny configs are written against
 INSTALL = "pip install -e '.[megatron]'"
@@ -55,6 +55,11 @@ PLACEMENTS = {
     "*.linear_fc1.bias": {"tp": Shard(0, packs=2)},
     "*.linear_fc2.weight": {"tp": Shard(1)},
 }
+# release series the zoo's glue cannot run, with why (the zoo refuses them in one line, before any import)
+OTHER_RELEASES = {
+    "0.15": "0.15's GPTModel reads parallel_state's global tp group whatever pg_collection it is given "
+            "(SharedExpertMLP among others), so the one-process model cannot be built on a rank of a larger world",
+}
 # registry models the zoo cannot run here, with why
 NOT_RUN = {
     "all-to-all dispatcher with tp": "gloo has no uneven all_gather, which it needs where tp splits too",
@@ -66,9 +71,7 @@ NOT_RUN = {
                                "other ranks than tp's; not wired yet",
     "interleaved (virtual) pipeline schedule": "not wired yet (1F1B is)",
     "vocabularies that do not divide tp": "GPTModel refuses them; the padding to a multiple is megatron.training's",
-    "megatron-core 0.15.3, the release before": "its GPTModel reads parallel_state's global tp group whatever "
-                                                 "pg_collection it is given (SharedExpertMLP among others), so the "
-                                                 "one-process model cannot be built on a rank of a larger world",
+    **{f"megatron-core {release}, the release before": why for release, why in OTHER_RELEASES.items()},
 }
 # what the zoo changes for a CPU, each with why; none touches the parallel math
 SHIMS = {
@@ -133,6 +136,7 @@ def _shim() -> types.ModuleType:
     """Import Megatron-Core for a CPU, once per process; its ``megatron.core`` package."""
     if find_spec("megatron") is None or find_spec("megatron.core") is None:
         raise MegatronMissing(f"the Megatron-Core zoo needs megatron-core {VERSION}, which is not installed: {INSTALL}")
+    require_release(MegatronMissing, "megatron-core", version(), VERSION, INSTALL, OTHER_RELEASES)
     import warnings
 
     from torch._dynamo.mutation_guard import install_generation_tagging_init
@@ -180,10 +184,14 @@ def _shim() -> types.ModuleType:
     return megatron.core
 
 
-def version() -> str:
-    from importlib.metadata import version as installed
+def version() -> str | None:
+    """The installed release of megatron-core; None for a source checkout on the path (no metadata)."""
+    from importlib.metadata import PackageNotFoundError, version as installed
 
-    return installed("megatron-core")
+    try:
+        return installed("megatron-core")
+    except PackageNotFoundError:
+        return None
 
 
 # ---- the models, tiny, from Megatron-Core's own config and layer spec -----------------------------------

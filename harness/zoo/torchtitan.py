@@ -34,7 +34,7 @@ from harness.known import Known
 from harness.model import ModelCase, Pipelined, load_shards, model_cells, running, switches
 from harness.model.register import model_component
 from harness.registry import register_component
-from harness.zoo import ZooMissing
+from harness.zoo import ZooMissing, require_release
 
 VERSION = "0.3.0"  # the release the shims and tiny configs are written against
 INSTALL = f"pip install -e '.[torchtitan]' && pip install --no-deps torchtitan=={VERSION}"
@@ -44,6 +44,11 @@ BACKENDS = {"partial": "partial_dtensor", "full": "full_dtensor"}
 SCHEDULES = {"1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
 MESHES = ("dp=2", "tp=2", "dp=2,tp=2", "rep=2,dp=2", "rep=2,tp=2", "dp=4", "dp=2,tp=4", "rep=2,dp=2,tp=2",
           "pp=2", "pp=2,dp=2", "pp=2,tp=2")
+# release series the zoo's glue cannot run, with why (the zoo refuses them in one line, before any import)
+OTHER_RELEASES = {
+    "0.2": "0.2's models are built from a TrainSpec (get_train_spec) and parallelized from a JobConfig, not from "
+           "0.3's model_registry and configs, which the zoo's glue calls; no adapter for 0.2 is built",
+}
 # registry models the zoo cannot run here, with why (every other model of the registry is built below)
 NOT_RUN = {
     "qwen3 tied, pp meshes": "torchtitan ties no weights under pipeline parallel (NotImplementedError)",
@@ -60,6 +65,7 @@ NOT_RUN = {
     "the spmd_types backend": "torch 2.13's fully_shard rejects its meshes",
     "expert tensor parallel": "0.3.0's ParallelDims has no etp degree: its experts' tp is ep borrowed from tp, "
                               "which the MoE meshes run",
+    **{f"torchtitan {release}, the release before": why for release, why in OTHER_RELEASES.items()},
 }
 # what the zoo changes for a CPU, each with why; none touches the parallel math
 SHIMS = {
@@ -84,6 +90,8 @@ def _shim() -> types.ModuleType:
     """Import torchtitan for a CPU, once per process; its ``torchtitan`` package."""
     if find_spec("torchtitan") is None:  # before any stand-in goes into sys.modules
         raise TorchtitanMissing(f"the torchtitan zoo needs torchtitan {VERSION}, which is not installed: {INSTALL}")
+    # before the stand-ins and imports below, which another release's modules would not match
+    require_release(TorchtitanMissing, "torchtitan", version(), VERSION, INSTALL, OTHER_RELEASES)
     kernels = types.ModuleType("torchtitan.distributed.minimal_async_ep.kernels")
 
     def _needs_triton(name: str):
@@ -119,10 +127,14 @@ def _shim() -> types.ModuleType:
     return torchtitan
 
 
-def version() -> str:
-    from importlib.metadata import version as installed
+def version() -> str | None:
+    """The installed release of torchtitan; None for a source checkout on the path (no metadata)."""
+    from importlib.metadata import PackageNotFoundError, version as installed
 
-    return installed("torchtitan")
+    try:
+        return installed("torchtitan")
+    except PackageNotFoundError:
+        return None
 
 
 # ---- the models, tiny, from torchtitan's own builders ------------------------------------------------------
