@@ -37,7 +37,7 @@ INSTALL = "pip install -e '.[megatron]'"
 # seq differs from batch and from batch over dp: Megatron's activations are [s, b, h] (a sequence-
 # parallel one [s/tp, b, h]) where the one-process model's embedding returns [b, s, h], and no shape
 # of one may pass for a shard of the other in a failing cell's diagnosis
-SIZES = dict(vocab=64, hidden=64, heads=8, groups=4, layers=2, ffn=128, batch=8, seq=12, experts=4, top_k=2)
+SIZES = dict(vocab=64, hidden=64, heads=8, groups=4, layers=2, ffn=128, batch=8, seq=12, experts=4)
 PLANS = ("ddp",)  # Megatron-Core's DistributedDataParallel with finalize_model_grads
 # of a pipeline's step (1F1B): a bug that scales by their count then shows a factor no pp degree has
 MICROBATCHES = 4
@@ -200,11 +200,11 @@ def _config(model: str, tp: int = 1, ep: int = 1, sp: bool = False, pp: int = 1)
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     s, own = SIZES, dict(CONFIGS[model])
-    if model in MOE:
-        own.update(num_moe_experts=s["experts"], moe_router_topk=s["top_k"],
-                   moe_token_dispatcher_type=switches()["dispatcher"], moe_grouped_gemm=False, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+    if model in MOE:  # the model's own settings (its router's top-k and scores) over what every MoE model sets
+        own = dict(num_moe_experts=s["experts"], moe_router_topk=2, moe_token_dispatcher_type=switches()["dispatcher"],
+                   moe_grouped_gemm=False, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
                    moe_ffn_hidden_size=s["ffn"], moe_permute_fusion=False, moe_router_fusion=False,
-                   expert_model_parallel_size=ep)
+                   expert_model_parallel_size=ep) | own
     return TransformerConfig(
         num_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
         num_query_groups=s["groups"], ffn_hidden_size=s["ffn"], kv_channels=s["hidden"] // s["heads"],
@@ -223,8 +223,9 @@ CONFIGS = {
     "gpt": dict(normalization="LayerNorm", add_bias_linear=True),
     "qknorm": dict(normalization="RMSNorm", add_bias_linear=False, qk_layernorm=True),
     "moe": dict(normalization="RMSNorm", add_bias_linear=False),
+    # routed as Llama 4's MoE routes: a shared expert beside one routed expert a token, by sigmoid scores
     "moeshared": dict(normalization="RMSNorm", add_bias_linear=False, moe_shared_expert_intermediate_size=64,
-                      moe_router_score_function="sigmoid", moe_router_enable_expert_bias=False),
+                      moe_router_score_function="sigmoid", moe_router_topk=1, moe_router_enable_expert_bias=False),
 }
 MOE = ("moe", "moeshared")
 DISPATCHERS = ("allgather", "alltoall")  # the MoE models' token dispatchers (their ``dispatcher`` switch)
