@@ -81,6 +81,13 @@ OVERRIDES: dict[str, dict] = {
     # rope parameters per layer type, empty by default (the model reads them by type)
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 50000.0,
                                                                    "mrope_section": [2, 1, 1]}}},
+    # its sliding-window layers have twice the full layers' kv heads: the shrink's 4 kv heads of 4 made
+    # 8 for 4 query heads there (no whole group a head); 8 query heads, 4 kv heads (8 in the sliding
+    # layers), so that tp=4 splits whole heads in both kinds
+    "mimo_v2_flash": {"num_attention_heads": 8, "num_key_value_heads": 4},
+    # mlp_layer_types and num_experts_per_tok None by default (the model indexes the one and routes by
+    # the other; its checkpoints set both): a dense layer, then a sparse one, top-2
+    "deepseek_ocr2_text": {"mlp_layer_types": ["dense", "sparse"], "num_experts_per_tok": 2},
 }
 
 
@@ -328,17 +335,21 @@ def build_tiny(model_type: str) -> torch.nn.Module:
 
 def _built(model_type: str, config) -> torch.nn.Module:
     """:func:`build_tiny` from one tiny config."""
+    if language := _language_part(config):
+        raise Unbuildable(f"a multimodal composite whose language model is {language}, which the zoo runs as an "
+                          "architecture of its own (the composite's sizes live in its parts' configs)")
     made = model_class(model_type)
     build = made.from_config if made.__name__.startswith("Auto") else made._from_config
     try:
         with torch.device("meta"):  # its size first: a field the shrink missed can ask for gigabytes
             sized = build(config, attn_implementation="eager")
+        # what it takes first: a tower of pixels or audio is not the zoo's, however large the shrink leaves it
+        if "input_ids" not in inspect.signature(sized.forward).parameters:
+            raise Unbuildable(f"{type(sized).__name__} takes no token ids (pixels, audio): the zoo feeds token ids")
         count = sum(p.numel() for p in sized.parameters())
         if count > MOST_PARAMETERS:
             raise Unbuildable(f"the generic shrink leaves {count:,} parameters (at most {MOST_PARAMETERS:,}): "
                               "a size field it does not know needs an entry in OVERRIDES")
-        if "input_ids" not in inspect.signature(sized.forward).parameters:
-            raise Unbuildable(f"{type(sized).__name__} takes no token ids (pixels, audio): the zoo feeds token ids")
         model = build(config, attn_implementation="eager")
     except Unbuildable:
         raise
@@ -356,6 +367,14 @@ def _built(model_type: str, config) -> torch.nn.Module:
                     and weight.dim() == 2:
                 torch.nn.init.normal_(weight, std=hidden ** -0.5)
     return model
+
+
+def _language_part(config) -> str | None:
+    """The model type of a composite config's language part (its ``text_config``) where the zoo runs
+    that part as an architecture of its own; else None."""
+    text = getattr(config, "text_config", None)
+    kind = getattr(text, "model_type", None)
+    return kind if kind and kind != config.model_type and kind in architectures() else None
 
 
 class _Tried(NamedTuple):
