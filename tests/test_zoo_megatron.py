@@ -1,6 +1,7 @@
 """``python -m harness.zoo megatron`` as a user runs it, from a directory of their own: Megatron-Core's
 ``GPTModel`` under its own ``parallel_state``, DDP, ``finalize_model_grads`` and pipeline schedule,
-green on tp with sequence parallel on and off, on a pipeline and on expert parallel; bugs planted in a
+green on tp with sequence parallel on and off, on a pipeline (1F1B and interleaved) and on expert parallel;
+bugs planted in a
 copy of the installed Megatron-Core (the sequence-parallel norms' all-reduce over tp skipped, the
 allgather dispatcher's routing probabilities detached, the pipeline's loss left undivided by its
 microbatches) red where they act, named where they start, and green where they do not."""
@@ -27,15 +28,16 @@ def zoo(cwd: Path, *args, env=None) -> dict:
     return {r["cell"]: r for r in found["cells"]}
 
 
-def cell(model: str, mesh: str, switches: str) -> str:
-    return f"mc{model}-ddp-{mesh}-fp32-{switches}-steps3-seed0"
+def cell(model: str, mesh: str, switches: str, sched: str = "1f1b") -> str:
+    """A zoo cell's id: ``switches`` without the pipeline schedule's, which is ``sched``."""
+    return f"mc{model}-ddp-{mesh}-fp32-{'.'.join(sorted([*switches.split('.'), f'sched_{sched}']))}-steps3-seed0"
 
 
 def test_megatrons_own_tp_sp_pipeline_and_expert_parallel_are_green(tmp_path):
     found = zoo(tmp_path, "--only", "gpt,moe", "--meshes", "dp=2,tp=2;pp=2")
     assert {c: r["verdict"] for c, r in found.items()} == {
         cell("gpt", "dp2.tp2", "sp_off"): "pass", cell("gpt", "dp2.tp2", "sp_on"): "pass",
-        cell("gpt", "pp2", "sp_off"): "pass",
+        cell("gpt", "pp2", "sp_off"): "pass", cell("gpt", "pp2", "sp_off", "interleaved"): "pass",
         # Megatron runs MoE under tp with sequence parallelism only, and its all-to-all dispatcher
         # with tp not on gloo (NOT_RUN)
         cell("moe", "dp2.tp2", "dispatcher_allgather.ep_1.sp_on"): "pass",
@@ -76,7 +78,8 @@ def test_bugs_planted_in_megatron_are_red_where_they_act_and_named_where_they_st
     env = dict(env_for(tmp_path), PYTHONPATH=os.pathsep.join([str(tmp_path / "planted"), env_for(tmp_path)["PYTHONPATH"]]))
     found = zoo(tmp_path, "--only", "gpt,moe", "--meshes", "tp=2;dp=2;pp=2", env=env)
     red = {c: r["why"] for c, r in found.items() if r["verdict"] != "pass"}
-    assert sorted(red) == sorted([cell("gpt", "tp2", "sp_on"), cell("gpt", "pp2", "sp_off"),
+    pipelines = [cell("gpt", "pp2", "sp_off", sched) for sched in ("1f1b", "interleaved")]
+    assert sorted(red) == sorted([cell("gpt", "tp2", "sp_on"), *pipelines,
                                   cell("moe", "dp2", "dispatcher_allgather.ep_2.sp_off"),
                                   cell("moe", "tp2", "dispatcher_allgather.ep_1.sp_on")]), found
     assert all(found[c]["verdict"] == "red" for c in red), found
@@ -90,10 +93,34 @@ def test_bugs_planted_in_megatron_are_red_where_they_act_and_named_where_they_st
             and "partial sums over tp (summed they match the reference): their all-reduce over tp is missing" in red[sp], red[sp]
     assert red[cell("moe", "dp2", "dispatcher_allgather.ep_2.sp_off")].startswith(
         "first diverging module: decoder.layers.1.mlp.router (parameter gradients, step 1)"), red
-    assert red[cell("gpt", "pp2", "sp_off")].startswith("first diverging module: output_layer (parameter gradients, step 1)"), red
+    for pipeline in pipelines:
+        assert red[pipeline].startswith("first diverging module: output_layer (parameter gradients, step 1)"), red
     # the schedule's own microbatches name the factor (its 4 calls of each module in a step)
     failures = " ".join((tmp_path / "out" / "junit.xml").read_text().split())  # as wrapped for a terminal
     assert "output_layer: mismatch, norm ratio 4: the reference x 4 = microbatches" in failures, failures[-3000:]
+
+
+def test_a_bug_in_a_later_stages_layer_is_named_by_its_place_in_the_whole_model_on_both_schedules(tmp_path):
+    """A pipeline rank names its layers (and, interleaved, its model chunks) locally; its recorded
+    modules take the whole model's names through Parallelized.global_name, as its parameters do.
+    Planted in a throwaway copy of the tree: the second layer's fc2 gradient doubled, on pp rank 1
+    (its local decoder.layers.0 under 1F1B, chunk 0's under the interleaved schedule). Named
+    'not known' before the recorder read the global names."""
+    from tests.checkout import copy_checkout
+
+    tree = copy_checkout(tmp_path / "tree")
+    glue = tree / "harness" / "zoo" / "megatron.py"
+    step = "            for p in gpt.parameters():\n                p.grad = p.main_grad.clone()\n"
+    assert glue.read_text().count(step) == 1
+    glue.write_text(glue.read_text().replace(step, (
+        "            for n, p in gpt.named_parameters():\n                p.grad = p.main_grad.clone()\n"
+        "                if global_name(n) == 'decoder.layers.1.mlp.linear_fc2.weight':  # planted\n"
+        "                    p.grad *= 2\n")))
+    found = zoo(tmp_path, "--only", "gpt", "--meshes", "pp=2", env=dict(env_for(tmp_path), PYTHONPATH=str(tree)))
+    for sched in ("1f1b", "interleaved"):
+        why = found[cell("gpt", "pp2", "sp_off", sched)]["why"]
+        assert why.startswith("first diverging module: decoder.layers.1.mlp.linear_fc2 (parameter gradients, step 1)"), \
+            (sched, why)
 
 
 def test_without_megatron_core_the_zoo_says_how_to_install_it(tmp_path):

@@ -61,11 +61,13 @@ class Recorder:
     """Hooks on every submodule of ``modules``; ``step`` is set by the training loop.
 
     ``place``: (tensor, module name, tensor name) -> Piece on a rank, or None when the tensor
-    cannot be placed (None for ``place`` itself: the logical tensor, in the reference)."""
+    cannot be placed (None for ``place`` itself: the logical tensor, in the reference).
+    ``names``: a module's name in the whole model by its name here, where a rank names its modules
+    locally (a pipeline stage's layers, a model chunk); others keep theirs."""
 
     def __init__(self, modules: list[nn.Module],
                  place: Callable[[torch.Tensor, str, str], Piece | None] | None = None,
-                 grad_scale: float = 1.0, microbatches: bool = False):
+                 grad_scale: float = 1.0, microbatches: bool = False, names: dict[str, str] | None = None):
         self._step = 0
         self.place = place
         # a pipeline calls each of its modules once per microbatch: the calls of a step are joined on
@@ -82,6 +84,7 @@ class Recorder:
             for name, module in root.named_modules():
                 if not name:
                     continue
+                name = (names or {}).get(name, name)
                 inputs: dict[int, Any] = {}  # id(module) -> the call's input as the caller gave it
                 self.handles.append(module.register_forward_pre_hook(
                     self._take_input(inputs), with_kwargs=True, prepend=True))

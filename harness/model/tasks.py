@@ -107,7 +107,7 @@ def _recorder(trainer: OnRank, case: ModelCase, cfg: Config) -> Recorder:
     judged = case.judge_plain_activations
     return Recorder(trainer.modules, lambda t, module, name: activation(
         t, trainer.degrees, batch_dims, shapes.get((module, name)), trainer.ours, plain=judged), grad_scale=grad_scale,
-        microbatches=trainer.pipelined is not None)
+        microbatches=trainer.pipelined is not None, names=trainer.global_module_names())
 
 
 def placed(trainer: OnRank, tensors: dict[str, torch.Tensor]) -> dict[str, Piece]:

@@ -271,6 +271,27 @@ class OnRank(Trainer):
         hold a name is then for the ranks to tell each other."""
         return self.made is not None and self.made.global_name is not None
 
+    def global_module_names(self) -> dict[str, str]:
+        """Each submodule's name in the whole model by its name on this rank, where the rank names
+        its parameters locally (``Parallelized.global_name``, which maps parameter names): read from
+        a parameter under the module, whose global name ends with the same path below it; a module
+        holding none takes its parent's, with its own name after. {} where names are global."""
+        if not self.local_names:
+            return {}
+        rename, names = self.made.global_name, {}
+        for module in self.modules:
+            for name, sub in module.named_modules():
+                if not name:
+                    continue
+                below = next((n for n, _ in sub.named_parameters()), None)
+                whole = rename(f"{name}.{below}") if below is not None else None
+                if whole is not None and whole.endswith(f".{below}"):
+                    names[name] = whole[:-len(below) - 1]
+                else:  # no parameter to read it from: its parent's global name, then its own
+                    parent, _, own = name.rpartition(".")
+                    names[name] = f"{names.get(parent, parent)}.{own}" if parent else name
+        return names
+
     def _params(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters under the reference's names, sorted (every rank of a stage's mesh
         visits them in the same order: the fallback gather is a collective)."""

@@ -41,6 +41,10 @@ SIZES = dict(vocab=64, hidden=64, heads=8, groups=4, layers=2, ffn=128, batch=8,
 PLANS = ("ddp",)  # Megatron-Core's DistributedDataParallel with finalize_model_grads
 # of a pipeline's step (1F1B): a bug that scales by their count then shows a factor no pp degree has
 MICROBATCHES = 4
+# the pipeline schedules a pp cell runs (its ``sched`` switch); interleaved: VIRTUAL model chunks a
+# pp rank, one layer each (the model has pp x VIRTUAL layers in those cells)
+SCHEDULES = ("1f1b", "interleaved")
+VIRTUAL = 2
 MESHES = ("tp=2", "dp=2", "dp=2,tp=2", "tp=4", "dp=4", "pp=2", "pp=2,dp=2", "pp=2,tp=2")
 # where a sharded GPTModel's layers keep their pieces of the whole model's tensors, over tp (and over
 # the expert-tensor-parallel ranks, which are tp's here: etp = tp): the column-parallel layers on dim 0
@@ -69,7 +73,6 @@ NOT_RUN = {
                      "Function's output)",
     "expert tp other than tp": "ModelCase.placements are fixed per case, and such experts' pieces lie over "
                                "other ranks than tp's; not wired yet",
-    "interleaved (virtual) pipeline schedule": "not wired yet (1F1B is)",
     "vocabularies that do not divide tp": "GPTModel refuses them; the padding to a multiple is megatron.training's",
     **{f"megatron-core {release}, the release before": why for release, why in OTHER_RELEASES.items()},
 }
@@ -195,8 +198,16 @@ def version() -> str | None:
 
 
 # ---- the models, tiny, from Megatron-Core's own config and layer spec -----------------------------------
-def _config(model: str, tp: int = 1, ep: int = 1, sp: bool = False, pp: int = 1):
-    """The ``TransformerConfig`` of a zoo model on ``tp``, ``ep`` and ``pp`` ranks."""
+def _layers() -> int:
+    """The cell's layer count: a layer a model chunk under the interleaved schedule (pp=2 ranks x
+    :data:`VIRTUAL` chunks), else :data:`SIZES`'. From the switch, not the mesh: the one-process
+    reference builds the same model on a world of one."""
+    return 2 * VIRTUAL if switches()["sched"] == "interleaved" else SIZES["layers"]
+
+
+def _config(model: str, tp: int = 1, ep: int = 1, sp: bool = False, pp: int = 1, vp: int | None = None):
+    """The ``TransformerConfig`` of a zoo model on ``tp``, ``ep`` and ``pp`` ranks (``vp`` model chunks
+    a pp rank: the interleaved schedule)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     s, own = SIZES, dict(CONFIGS[model])
@@ -206,12 +217,13 @@ def _config(model: str, tp: int = 1, ep: int = 1, sp: bool = False, pp: int = 1)
                    moe_ffn_hidden_size=s["ffn"], moe_permute_fusion=False, moe_router_fusion=False,
                    expert_model_parallel_size=ep) | own
     return TransformerConfig(
-        num_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
+        num_layers=_layers(), hidden_size=s["hidden"], num_attention_heads=s["heads"],
         num_query_groups=s["groups"], ffn_hidden_size=s["ffn"], kv_channels=s["hidden"] // s["heads"],
         gated_linear_unit=True, activation_func=F.silu, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, sequence_parallel=sp, params_dtype=torch.float32,
-        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, use_cpu_initialization=True,
-        batch_p2p_sync=False,  # its p2p sync is torch.cuda.synchronize()
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp, pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        batch_p2p_sync=False, batch_p2p_comm=False,  # its p2p sync is torch.cuda.synchronize()
         # the fused kernels are CUDA's; these are their unfused torch paths
         bias_activation_fusion=False, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
@@ -233,8 +245,9 @@ DISPATCHERS = ("allgather", "alltoall")  # the MoE models' token dispatchers (th
 MOE_MESHES = (("pp=2,dp=2", "2"), ("dp=2", "1"), ("dp=2", "2"), ("dp=4", "4"), ("dp=4", "2"), ("dp=2,tp=2", "1"), ("dp=2,tp=2", "2"), ("tp=2", "1"))
 
 
-def _spec(model: str, config):
-    """Megatron-Core's local layer spec, its norms marked for sequence parallelism."""
+def _spec(model: str, config, vp_stage: int | None = None):
+    """Megatron-Core's local layer spec, its norms marked for sequence parallelism (of model chunk
+    ``vp_stage`` of the interleaved schedule)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -244,18 +257,20 @@ def _spec(model: str, config):
     if config.qk_layernorm:
         attention = layer.submodules.self_attention.submodules
         attention.q_layernorm = attention.k_layernorm = _SequenceParallelNorm
-    layers = get_num_layers_to_build(config) if config.pipeline_model_parallel_size > 1 else config.num_layers
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage) if config.pipeline_model_parallel_size > 1 \
+        else config.num_layers
     return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=_SequenceParallelNorm)
 
 
-def _gpt(model: str, config, pg_collection=None, first: bool = True, last: bool = True):
-    """``first``, ``last``: whether it is the pipeline's first (embedding) and last (head) stage."""
+def _gpt(model: str, config, pg_collection=None, first: bool = True, last: bool = True, vp_stage: int | None = None):
+    """``first``, ``last``: whether it is the pipeline's first (embedding) and last (head) stage;
+    ``vp_stage``: its model chunk of the interleaved schedule."""
     from megatron.core.models.gpt import GPTModel
 
-    return GPTModel(config=config, transformer_layer_spec=_spec(model, config), vocab_size=SIZES["vocab"],
+    return GPTModel(config=config, transformer_layer_spec=_spec(model, config, vp_stage), vocab_size=SIZES["vocab"],
                     max_sequence_length=SIZES["seq"], parallel_output=True, position_embedding_type="rope",
                     share_embeddings_and_output_weights=False, pg_collection=pg_collection, pre_process=first,
-                    post_process=last)
+                    post_process=last, vp_stage=vp_stage)
 
 
 _ONE: dict = {}  # this process's group of itself alone
@@ -318,29 +333,49 @@ def _parallelize(model_name: str):
 
         cell = running()
         tp, ep, pp = cell.mesh.get("tp", 1), int(cell.switches.get("ep", 1)), cell.mesh.get("pp", 1)
+        vp = VIRTUAL if switches()["sched"] == "interleaved" else None
         parallel_state.destroy_global_memory_buffer()  # initialize_model_parallel makes its own
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                                 pipeline_model_parallel_size=pp)
-        config = _config(model_name, tp, ep, sp=switches()["sp"] == "on", pp=pp)
-        gpt = _gpt(model_name, config, first=parallel_state.is_pipeline_first_stage(),
-                   last=parallel_state.is_pipeline_last_stage())
-        global_name = _global_names(get_transformer_layer_offset(config) if pp > 1 else 0,
-                                    parallel_state.get_expert_model_parallel_rank() * (SIZES["experts"] // ep))
+                                                 pipeline_model_parallel_size=pp,
+                                                 virtual_pipeline_model_parallel_size=vp)
+        config = _config(model_name, tp, ep, sp=switches()["sp"] == "on", pp=pp, vp=vp)
+        experts = parallel_state.get_expert_model_parallel_rank() * (SIZES["experts"] // ep)
+        # a model chunk a virtual stage (one, without the interleaved schedule), each its own GPTModel
+        stages = [None] if vp is None else list(range(vp))
+        chunks = [_gpt(model_name, config, first=parallel_state.is_pipeline_first_stage(ignore_virtual=vp is None,
+                                                                                         vp_stage=stage),
+                       last=parallel_state.is_pipeline_last_stage(ignore_virtual=vp is None, vp_stage=stage),
+                       vp_stage=stage) for stage in stages]
+        offsets = [get_transformer_layer_offset(config, vp_stage=stage) if pp > 1 else 0 for stage in stages]
+        gpt = chunks[0] if vp is None else torch.nn.ModuleList(chunks)
+        global_name = _global_names(offsets[0], experts) if vp is None else _chunk_names(offsets, experts)
         load_shards(gpt, whole, PLACEMENTS, global_name)
-        ddp = DistributedDataParallel(config=config, module=gpt, ddp_config=DistributedDataParallelConfig(
-            overlap_grad_reduce=False, use_distributed_optimizer=False))
+        ddps = [DistributedDataParallel(config=config, module=chunk, ddp_config=DistributedDataParallelConfig(
+            overlap_grad_reduce=False, use_distributed_optimizer=False)) for chunk in chunks]
 
         def before_step():
-            finalize_model_grads([ddp])
+            finalize_model_grads(ddps)
             for p in gpt.parameters():
                 p.grad = p.main_grad.clone()
-            ddp.zero_grad_buffer()
+            for ddp in ddps:
+                ddp.zero_grad_buffer()
 
         # a rank names its local experts and its stage's layers locally: held by some ranks only
-        return Parallelized(gpt, step=_pipeline(ddp) if pp > 1 else None, before_step=before_step,
+        return Parallelized(gpt, step=_pipeline(ddps) if pp > 1 else None, before_step=before_step,
                             global_name=global_name if ep > 1 or pp > 1 else None)
     return parallelize
+
+
+def _chunk_names(offsets: list[int], experts: int):
+    """A rank's parameter name in its model chunks (``<chunk>.<name>``) -> the whole model's: chunk
+    ``i``'s layers start at ``offsets[i]``."""
+    by_chunk = [_global_names(offset, experts) for offset in offsets]
+
+    def global_name(name: str) -> str:
+        chunk, _, rest = name.partition(".")
+        return by_chunk[int(chunk)](rest)
+    return global_name
 
 
 def _global_names(layers: int, experts: int):
@@ -357,10 +392,11 @@ def _global_names(layers: int, experts: int):
     return global_name
 
 
-def _pipeline(ddp):
-    """A step through Megatron's own pipeline schedule (``get_forward_backward_func``: 1F1B), over
-    :data:`MICROBATCHES` microbatches of the rank's rows, each loss a mean over its tokens; every
-    stage returns the last stage's mean of them."""
+def _pipeline(ddps: list):
+    """A step through Megatron's own pipeline schedule (``get_forward_backward_func``: 1F1B, or the
+    interleaved one over the rank's model chunks ``ddps``), over :data:`MICROBATCHES` microbatches of
+    the rank's rows, each loss a mean over its tokens; every stage returns the last stage's mean of
+    them."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -372,9 +408,10 @@ def _pipeline(ddp):
 
     def step(batch):
         rows = batch["input"].shape[0] // MICROBATCHES
-        data = iter([(batch["input"][i * rows:(i + 1) * rows], batch["target"][i * rows:(i + 1) * rows])
-                     for i in range(MICROBATCHES)])
-        losses = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=[ddp],
+        micro = [(batch["input"][i * rows:(i + 1) * rows], batch["target"][i * rows:(i + 1) * rows])
+                 for i in range(MICROBATCHES)]
+        data = iter(micro) if len(ddps) == 1 else [iter(micro) for _ in ddps]  # one a model chunk
+        losses = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=ddps,
                                              num_microbatches=MICROBATCHES, seq_length=SIZES["seq"],
                                              micro_batch_size=rows, forward_only=False)
         loss = torch.stack([x["loss"] for x in losses]).mean() if parallel_state.is_pipeline_last_stage() \
@@ -390,9 +427,9 @@ def case(model: str) -> ModelCase:
     moe = model in MOE
     return ModelCase(build=lambda: _build(model), batch=batch, loss=loss, forward=forward,
                      parallelize={plan: _parallelize(model) for plan in PLANS}, placements=PLACEMENTS,
-                     switches={"sp": ("off", "on"),
+                     switches={"sched": SCHEDULES, "sp": ("off", "on"),
                                **({"ep": ("1", "2", "4"), "dispatcher": DISPATCHERS} if moe else {})},
-                     acts_with={"sp": ("tp",)}, judge_plain_activations=False)
+                     acts_with={"sp": ("tp",), "sched": ("pp",)}, judge_plain_activations=False)
 
 
 def name_of(model: str) -> str:
@@ -418,7 +455,8 @@ def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = PLANS,
             # the all-to-all dispatcher with tp needs an uneven all_gather, which gloo has not (NOT_RUN)
             own = {"ep": [ep], "dispatcher": list(DISPATCHERS[:1] if "tp=" in mesh else DISPATCHERS)} \
                 if model in MOE else {}
-            out += model_cells(name_of(model), impls=list(plans), meshes=[mesh], switches={"sp": sp, **own})
+            sched = list(SCHEDULES) if "pp=" in mesh else list(SCHEDULES[:1])
+            out += model_cells(name_of(model), impls=list(plans), meshes=[mesh], switches={"sched": sched, "sp": sp, **own})
     if not out:
         raise ValueError(f"no cell of {', '.join(only or CONFIGS)} on {'; '.join(meshes)}: the MoE models run "
                          f"{'; '.join(sorted({m[0] for m in MOE_MESHES}))}")
