@@ -88,6 +88,13 @@ OVERRIDES: dict[str, dict] = {
     # mlp_layer_types and num_experts_per_tok None by default (the model indexes the one and routes by
     # the other; its checkpoints set both): a dense layer, then a sparse one, top-2
     "deepseek_ocr2_text": {"mlp_layer_types": ["dense", "sparse"], "num_experts_per_tok": 2},
+    # its language model's sizes in its own config, its vision and audio towers' in sub-configs the
+    # shrink does not reach (870 M parameters left): the towers tiny too (token ids alone reach neither)
+    "phi4_multimodal": {
+        "vision_config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                          "image_size": 28, "patch_size": 14, "crop_size": 28},
+        "audio_config": {"hidden_size": 16, "intermediate_size": 32, "num_blocks": 1, "num_attention_heads": 2,
+                         "ext_pw_out_channel": 16, "depthwise_separable_out_channel": 16, "nemo_conv_channels": 16}},
 }
 
 
