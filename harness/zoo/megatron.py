@@ -82,6 +82,9 @@ SHIMS = {
                                  "device",
     "CUDA streams and events": "no-ops, where there is no CUDA: the all-to-all dispatcher synchronises on them",
     "the pipeline schedules' torch.zeros(device='cuda')": "their token counter made on the CPU",
+    "the pipeline's p2p, unbatched (batch_p2p_comm=False)": "with its batched sends and receives "
+                                                             "(batch_isend_irecv) on gloo, every interleaved cell "
+                                                             "is red at output_layer and 1F1B's pass; not traced",
     "moe_utils.te_general_gemm": "None: it is defined only by Transformer Engine's import, so without TE every "
                                  "MoE forward raises NameError (an upstream bug)",
     "the RNG tracker": "Megatron's own inference tracker (no dropout here): the CUDA one seeds CUDA generators",
@@ -223,7 +226,8 @@ def _config(model: str, tp: int = 1, ep: int = 1, sp: bool = False, pp: int = 1,
         tensor_model_parallel_size=tp, sequence_parallel=sp, params_dtype=torch.float32,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp, pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
-        batch_p2p_sync=False, batch_p2p_comm=False,  # its p2p sync is torch.cuda.synchronize()
+        batch_p2p_sync=False,  # its p2p sync is torch.cuda.synchronize()
+        batch_p2p_comm=False,  # SHIMS: the pipeline's unbatched p2p path
         # the fused kernels are CUDA's; these are their unfused torch paths
         bias_activation_fusion=False, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
