@@ -378,10 +378,11 @@ def _built(model_type: str, config) -> torch.nn.Module:
 
 def _language_part(config) -> str | None:
     """The model type of a composite config's language part (its ``text_config``) where the zoo runs
-    that part as an architecture of its own; else None."""
+    that part as an architecture of its own (its config class ships a plan, as :func:`architectures`
+    asks); else None."""
     text = getattr(config, "text_config", None)
     kind = getattr(text, "model_type", None)
-    return kind if kind and kind != config.model_type and kind in architectures() else None
+    return kind if kind and kind != config.model_type and shipped(type(text)) else None
 
 
 class _Tried(NamedTuple):
