@@ -49,3 +49,14 @@ def venv_over_this_one(dest: Path) -> Path:
     # addsitedir, not a bare path: this run's own .pth files (the editable install's finder) apply too
     (own / "_this_run.pth").write_text("".join(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages()))
     return Path(dest, "bin", "python")
+
+
+def venv_with_release(dest: Path, requirement: str) -> Path:
+    """:func:`venv_over_this_one` at ``dest`` with ``requirement`` (``torchtitan==0.2.2``) installed into
+    it without its dependencies, shadowing this run's: another release of a library the harness
+    drives, as a user who installed it over README's would have. Its interpreter."""
+    python = venv_over_this_one(dest)
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+                           requirement], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return python

@@ -140,12 +140,9 @@ def test_the_release_before_is_refused_in_one_line_that_says_why_and_what_to_ins
     """megatron-core 0.15.3 over this environment's 0.16.1: every cell skipped, one by one, where its
     one-process model could not be built; now the zoo refuses it before it imports Megatron-Core."""
     from harness.zoo.megatron import VERSION
-    from tests.checkout import venv_over_this_one
+    from tests.checkout import venv_with_release
 
-    python = venv_over_this_one(tmp_path / "venv")
-    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
-                           "megatron-core==0.15.3"], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    python = venv_with_release(tmp_path / "venv", "megatron-core==0.15.3")
     done = subprocess.run([str(python), "-m", "harness.zoo", "megatron"], cwd=tmp_path, env=env_for(tmp_path),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stdout + done.stderr

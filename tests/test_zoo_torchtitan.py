@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from harness.zoo.torchtitan import VERSION
-from tests.checkout import venv_over_this_one
+from tests.checkout import venv_over_this_one, venv_with_release
 from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,10 +161,7 @@ def test_the_release_before_is_refused_in_one_line_that_says_why_and_what_to_ins
     """torchtitan 0.2.2 installed as docs/zoo.md installs 0.3.0 (without its dependencies): its API is not
     the one the zoo's glue calls, which failed deep inside torchtitan's own imports (triton, at 0.2's path)
     and named only the missing triton."""
-    python = venv_over_this_one(tmp_path / "venv")
-    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
-                           "torchtitan==0.2.2"], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    python = venv_with_release(tmp_path / "venv", "torchtitan==0.2.2")
     done = zoo(python, tmp_path, "--only", "qwen3")
     assert done.returncode == 2, done.stdout + done.stderr
     (line,) = done.stderr.splitlines()

@@ -7,6 +7,16 @@ class ZooMissing(RuntimeError):
     install one that it can."""
 
 
+def installed_release(distribution: str) -> str | None:
+    """The installed release of ``distribution``; None for a source checkout on the path (no metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
 def require_release(missing: type[ZooMissing], library: str, installed: str | None, written_for: str,
                     install: str, unsupported: dict[str, str]) -> None:
     """Raise ``missing`` unless ``installed`` is of the release series (major.minor) that the zoo's glue

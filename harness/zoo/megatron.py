@@ -30,7 +30,7 @@ from harness.layout import Shard
 from harness.model import ModelCase, Parallelized, load_shards, model_cells, running, switches
 from harness.model.register import model_component
 from harness.registry import register_component
-from harness.zoo import ZooMissing, require_release
+from harness.zoo import ZooMissing, installed_release, require_release
 
 VERSION = "0.16.1"  # the release the shims and tiny configs are written against
 INSTALL = "pip install -e '.[megatron]'"
@@ -192,12 +192,7 @@ def _shim() -> types.ModuleType:
 
 def version() -> str | None:
     """The installed release of megatron-core; None for a source checkout on the path (no metadata)."""
-    from importlib.metadata import PackageNotFoundError, version as installed
-
-    try:
-        return installed("megatron-core")
-    except PackageNotFoundError:
-        return None
+    return installed_release("megatron-core")
 
 
 # ---- the models, tiny, from Megatron-Core's own config and layer spec -----------------------------------

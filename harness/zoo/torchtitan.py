@@ -34,7 +34,7 @@ from harness.known import Known
 from harness.model import ModelCase, Pipelined, load_shards, model_cells, running, switches
 from harness.model.register import model_component
 from harness.registry import register_component
-from harness.zoo import ZooMissing, require_release
+from harness.zoo import ZooMissing, installed_release, require_release
 
 VERSION = "0.3.0"  # the release the shims and tiny configs are written against
 INSTALL = f"pip install -e '.[torchtitan]' && pip install --no-deps torchtitan=={VERSION}"
@@ -129,12 +129,7 @@ def _shim() -> types.ModuleType:
 
 def version() -> str | None:
     """The installed release of torchtitan; None for a source checkout on the path (no metadata)."""
-    from importlib.metadata import PackageNotFoundError, version as installed
-
-    try:
-        return installed("torchtitan")
-    except PackageNotFoundError:
-        return None
+    return installed_release("torchtitan")
 
 
 # ---- the models, tiny, from torchtitan's own builders ------------------------------------------------------
