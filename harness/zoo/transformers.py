@@ -90,6 +90,14 @@ OVERRIDES: dict[str, dict] = {
     "deepseek_ocr2_text": {"mlp_layer_types": ["dense", "sparse"], "num_experts_per_tok": 2},
     # its language model's sizes in its own config, its vision and audio towers' in sub-configs the
     # shrink does not reach (870 M parameters left): the towers tiny too (token ids alone reach neither)
+    # its DSA attention takes no rope (the shrink's qk_rope_head_dim of 4 is rejected); the indexer's top-k a
+    # whole number of its pools; its linear-attention (KDA) heads tiny; a KDA layer then a DSA one, a dense MLP
+    # then a sparse one, as its layers alternate at full size
+    "glm5_next_text": {"qk_rope_head_dim": 0, "qk_nope_head_dim": 8, "v_head_dim": 8, "index_topk": 16, "index_kpool": 4,
+                       "linear_head_dim": 8, "linear_num_heads": 4, "index_head_dim": 8, "index_n_heads": 2,
+                       "layer_types": ["linear_attention", "indexed_attention"], "mlp_layer_types": ["dense", "sparse"]},
+    # its global layers rotate a quarter of each head in M-RoPE pairs: a multiple of 4 dims needs a head of 16
+    "neomme": {"head_dim": 16},
     "phi4_multimodal": {
         "vision_config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                           "image_size": 28, "patch_size": 14, "crop_size": 28},
@@ -198,6 +206,20 @@ KNOWN: tuple[KnownBug, ...] = (
              "then shards those DTensors again over dp, the same ranks, and fully_shard cannot compose the two",
              r"RuntimeError: Cannot concatenate overlapping meshes: \[DeviceMesh\(\(dp=2\)")
       for model_type in ("gemma4_text", "diffusion_gemma_text")),
+    KnownBug("neomme", ("tp", "tpauto"), ("5.23.0",),
+             "crash: q/k/v are colwise (each rank's heads), but two per-head tensors the plan leaves whole meet "
+             "them: exclusive self-attention's alpha (one scale per attention head; its view(1, 1, -1, 1) meets 2 "
+             "heads at tp=2, and at tp=4 broadcasts 1 head to 4, so output_projection gets 4 heads' worth), and the "
+             "value embeddings added to the first and last global layers' values (every kv head). Sharding alpha "
+             "(colwise, its attention local_params) moves the crash to the value embeddings; no style keeps an "
+             "embedding's hidden-dim shard local, so no tp_plan entry fixes it",
+             r"in module layers\.0\.self_attn\.(exclusive_self_attention|output_projection): RuntimeError: The size of "
+             r"tensor a \((4|64)\) must match the size of tensor b \((2|16)\)"),
+    KnownBug("glm5_next_text", ("tp", "tpauto", "tpep"), ("5.23.0",),
+             "crash: the plan's layers.*.self_attn.o_proj rowwise also matches the linear-attention (KDA) layers "
+             "(three of every four as shipped), whose q/k/v projections it leaves whole: o_proj's half of the "
+             "weight gets every head's output",
+             r"in module layers\.0\.self_attn\.o_proj: RuntimeError: shape '\[32, (16|8)\]' is invalid"),
     KnownBug("llama4_text", ("tp", "tpauto"), SEEN,
              "crash: the MoE block adds the routed experts' output in place (out.add_) to the shared expert's "
              "output, a view _ToTorchTensor returns under autograd",
