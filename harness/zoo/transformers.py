@@ -206,7 +206,7 @@ KNOWN: tuple[KnownBug, ...] = (
              "then shards those DTensors again over dp, the same ranks, and fully_shard cannot compose the two",
              r"RuntimeError: Cannot concatenate overlapping meshes: \[DeviceMesh\(\(dp=2\)")
       for model_type in ("gemma4_text", "diffusion_gemma_text")),
-    KnownBug("neomme", ("tp", "tpauto"), ("5.23.0",),
+    KnownBug("neomme", ("tp", "tpauto"), SEEN,
              "crash: q/k/v are colwise (each rank's heads), but two per-head tensors the plan leaves whole meet "
              "them: exclusive self-attention's alpha (one scale per attention head; its view(1, 1, -1, 1) meets 2 "
              "heads at tp=2, and at tp=4 broadcasts 1 head to 4, so output_projection gets 4 heads' worth), and the "
@@ -215,7 +215,7 @@ KNOWN: tuple[KnownBug, ...] = (
              "embedding's hidden-dim shard local, so no tp_plan entry fixes it",
              r"in module layers\.0\.self_attn\.(exclusive_self_attention|output_projection): RuntimeError: The size of "
              r"tensor a \((4|64)\) must match the size of tensor b \((2|16)\)"),
-    KnownBug("glm5_next_text", ("tp", "tpauto", "tpep"), ("5.23.0",),
+    KnownBug("glm5_next_text", ("tp", "tpauto", "tpep"), SEEN,
              "crash: the plan's layers.*.self_attn.o_proj rowwise also matches the linear-attention (KDA) layers "
              "(three of every four as shipped), whose q/k/v projections it leaves whole: o_proj's half of the "
              "weight gets every head's output",
