@@ -25,7 +25,7 @@ import functools
 import inspect
 import re
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -98,6 +98,11 @@ OVERRIDES: dict[str, dict] = {
                        "layer_types": ["linear_attention", "indexed_attention"], "mlp_layer_types": ["dense", "sparse"]},
     # its global layers rotate a quarter of each head in M-RoPE pairs: a multiple of 4 dims needs a head of 16
     "neomme": {"head_dim": 16},
+    # its MoE sizes under names of its own, the text and vision experts' intermediate sizes a list; rope
+    # sections (h, w, t) for a head of 8 (its default [22, 22, 20] is for a head of 128)
+    "ernie4_5_vl_moe_text": {"moe_intermediate_size": [16, 16], "moe_num_experts": 4, "moe_k": 2,
+                             "moe_num_shared_experts": 1,
+                             "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [1, 1, 2]}},
     "phi4_multimodal": {
         "vision_config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                           "image_size": 28, "patch_size": 14, "crop_size": 28},
@@ -335,9 +340,19 @@ def model_class(model_type: str):
     return declared[0]
 
 
+# per family, inputs besides the token ids that route tokens through a part of the model its plans shard
+INPUTS: dict[str, Callable[[torch.Tensor], dict]] = {
+    # its vision experts (vision_moe, sharded as the text experts are) take the tokens marked as vision
+    # tokens: every other token, so that both sets of experts get some
+    "ernie4_5_vl_moe_text": lambda ids: {"moe_mm_token_type_ids": (torch.arange(ids.shape[-1]) % 2).expand_as(ids)},
+}
+
+
 def forward(model, batch):
     """The logits of a causal LM; a base model's last hidden state."""
-    out = model(input_ids=batch["input"])
+    ids = batch["input"]
+    extra = INPUTS.get(model.config.model_type)
+    out = model(input_ids=ids, **(extra(ids) if extra else {}))
     return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
 
 
