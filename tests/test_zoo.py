@@ -138,6 +138,64 @@ def test_a_known_bug_whose_cell_fails_another_way_a_lost_tie_and_a_wrong_load_ar
                            "rows 0-15 hold model.L_module.layers.0.self_attn.gate_proj.weight's rows 16-31, "), load
 
 
+FAMILIES = '''
+"""Two tiny model families of the user's own, registered with transformers' auto classes: checkpoints
+that hold each layer's o_proj and down_proj fused, one above the other. fusedlm's converter splits
+them back; swappedlm's (planted) loads each half into the other's place."""
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import Chunk, WeightConverter
+
+
+class SwappedChunk(Chunk):
+    """Chunk, each half loaded into the other target's place; saved by plain concatenation."""
+
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        first, second = super().convert(input_dict, source_patterns, target_patterns, **kwargs).items()
+        return {first[0]: second[1], second[0]: first[1]}
+
+
+for name, split in (("fusedlm", Chunk), ("swappedlm", SwappedChunk)):
+    config = type(f"{name}Config", (LlamaConfig,), {"model_type": name})
+    model = type(f"{name}ForCausalLM", (LlamaForCausalLM,), {"config_class": config})
+    AutoConfig.register(name, config)
+    AutoModelForCausalLM.register(config, model)
+    register_checkpoint_conversion_mapping(name, [WeightConverter(
+        source_patterns="outs.weight", target_patterns=["self_attn.o_proj.weight", "mlp.down_proj.weight"],
+        operations=[split(dim=0)])])
+'''
+
+
+def test_a_family_of_the_users_own_runs_by_import_and_the_load_check_names_its_converters_swap(project):
+    """docs/zoo.md's --import: two model types of the user's own, registered from a module in their
+    directory, run as transformers' own do. Their checkpoints fuse o_proj and down_proj (a rowwise
+    pair, which from_pretrained shards before it splits them, and may); one family's converter, planted,
+    loads each half into the other's place: its from_pretrained cell is red by the load check, before
+    any step, naming which rows landed where; the right family passes, and so do both built ones."""
+    pytest.importorskip("transformers", reason="pip install -e '.[thirdparty]'")
+    project.write({"myfamilies.py": FAMILIES})
+    done = zoo(project, "--import", "myfamilies", "--only", "fusedlm,swappedlm", "--plans", "tp,tpauto", "-n", "2",
+               "--out", "out")
+    assert done.returncode == 0, done.tail
+    cells = {r["cell"]: r for r in json.loads((project.path / "out" / "zoo.json").read_text())["cells"]}
+    assert {c: r["verdict"] for c, r in cells.items()} == {
+        "hffusedlm-tp-tp2-fp32-plain-steps3-seed0": "pass", "hffusedlm-tp-tp4-fp32-plain-steps3-seed0": "pass",
+        "hffusedlm-tpauto-tp2-fp32-plain-steps3-seed0": "pass",
+        "hfswappedlm-tp-tp2-fp32-plain-steps3-seed0": "pass", "hfswappedlm-tp-tp4-fp32-plain-steps3-seed0": "pass",
+        "hfswappedlm-tpauto-tp2-fp32-plain-steps3-seed0": "red"}, cells
+    red = cells["hfswappedlm-tpauto-tp2-fp32-plain-steps3-seed0"]
+    assert red["why"].startswith("LoadMismatch: from_pretrained loaded 4 parameter(s) other than save_pretrained "
+                                 "was given"), red
+    assert ("model.layers.0.self_attn.o_proj.weight: rows 0-31 hold model.layers.0.mlp.down_proj.weight's rows "
+            "0-31") in red["why"], red
+    assert red["reproduce"].startswith("python -m harness.zoo transformers --only swappedlm --plans tpauto "
+                                       "--import myfamilies"), red
+    # a module that does not import: one line naming it and the fix, before anything runs
+    bad = zoo(project, "--import", "nosuchfamilies", "--only", "fusedlm")
+    assert bad.returncode == 2 and "--import nosuchfamilies: ModuleNotFoundError" in bad.stderr, bad.tail
+    assert "Traceback" not in bad.stderr, bad.stderr
+
+
 def test_an_unknown_plan_or_model_type_is_one_line_with_the_choices(project):
     done = zoo(project, "--plans", "tp,pp")
     assert done.returncode == 2 and "--plans: unknown pp; give some of tp, tpauto, ep, tpep" in done.stderr, done.stderr

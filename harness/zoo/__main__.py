@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
 import json
 import os
 import subprocess
@@ -33,7 +34,7 @@ import pytest
 
 from harness.zoo.{library} import zoo_cells
 
-CELLS = zoo_cells(only={only!r} or None, plans={plans!r}{meshes})
+CELLS = zoo_cells(only={only!r} or None, plans={plans!r}{meshes}{imports})
 
 
 @pytest.mark.parametrize("cfg", CELLS, ids=str)
@@ -124,14 +125,21 @@ def title(made: dict) -> str:
     return ", ".join([line, *(e for e in extra if e)])
 
 
-def reproduce(library: str, cell: str, model: str) -> str:
+def _imports(args) -> tuple[str, ...]:
+    """The modules ``--import`` names, in order (the transformers zoo's option; none elsewhere)."""
+    return tuple(m for given in getattr(args, "imports", None) or [] for m in given.split(",") if m)
+
+
+def reproduce(library: str, cell: str, model: str, imports: tuple[str, ...] = ()) -> str:
     """The command that runs a cell again: its model and plan through the zoo (and its mesh, for
-    torchtitan's); for a transformers ``tpauto`` cell, also the torch-and-transformers-only script."""
+    torchtitan's; the modules it was told to import, for transformers'); for a transformers ``tpauto``
+    cell, also the torch-and-transformers-only script."""
     from harness.config import Config
 
     cfg = Config.parse(cell)
     plan = "tp" if cfg.impl == "tpfixed" else cfg.impl
     command = f"python -m harness.zoo {library} --only {model} --plans {plan}"
+    command += "".join(f" --import {m}" for m in imports)
     if library in FRAMEWORKS:
         command += f" --meshes '{','.join(f'{d}={n}' for d, n in cfg.mesh)}'"
     if library == "transformers" and cfg.impl == "tpauto":
@@ -139,7 +147,7 @@ def reproduce(library: str, cell: str, model: str) -> str:
     return command
 
 
-def annotate(found: list[dict], library: str) -> list[dict]:
+def annotate(found: list[dict], library: str, imports: tuple[str, ...] = ()) -> list[dict]:
     """Each row with its model's own name (``model``) and, where it did not pass, the command that
     reproduces it (``reproduce``)."""
     zoo = _zoo(library)
@@ -148,7 +156,7 @@ def annotate(found: list[dict], library: str) -> list[dict]:
         model = named.get(r["cell"].split("-")[0], r["cell"].split("-")[0])
         r["model"] = model
         if r["verdict"] in ("red", "crash", "known", "fixed"):
-            r["reproduce"] = reproduce(library, r["cell"], model)
+            r["reproduce"] = reproduce(library, r["cell"], model, imports)
     return found
 
 
@@ -275,9 +283,7 @@ def _models(library: str) -> list[str]:
 
 def _zoo(library: str):
     """The zoo module of ``library`` (its ``PLANS``, ``zoo_cells``, ``version``)."""
-    from importlib import import_module
-
-    return import_module(f"harness.zoo.{library}")
+    return importlib.import_module(f"harness.zoo.{library}")
 
 
 def run(args) -> int:
@@ -303,14 +309,19 @@ def run(args) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     junit = (args.out / "junit.xml").resolve()
     with tempfile.TemporaryDirectory(prefix="harness-zoo-") as project:
+        imports = _imports(args)
         (Path(project) / "test_zoo.py").write_text(TEST.format(
-            library=library, only=only, plans=plans, meshes=f", meshes={meshes!r}" if meshes else ""))
+            library=library, only=only, plans=plans, meshes=f", meshes={meshes!r}" if meshes else "",
+            imports=f", imports={imports!r}" if imports else ""))
         (Path(project) / "pytest.ini").write_text("[pytest]\n")
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", args.n,
                    f"--junitxml={junit}", "--case-deadline", "300", "test_zoo.py"]
         started = time.monotonic()
-        done = subprocess.run(command, cwd=project, env=os.environ.copy())
-    found = annotate(rows(junit), library) if junit.exists() else []
+        env = os.environ.copy()
+        if imports:  # the user's modules, from where the user runs the zoo
+            env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])
+        done = subprocess.run(command, cwd=project, env=env)
+    found = annotate(rows(junit), library, imports) if junit.exists() else []
     if done.returncode not in (0, 1) or not found:
         print(f"the zoo's pytest run ended with {done.returncode} and judged no cell (its output is above)",
               file=sys.stderr)
@@ -358,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
         zoo.add_argument("--plans", default="", help=f"of {plans} (default: all)")
         zoo.add_argument("--out", type=Path, default=Path("zoo-out"), help="where zoo.md, zoo.html and zoo.json go")
         zoo.add_argument("-n", default="auto", help="pytest-xdist workers (default: auto)")
+        if library == "transformers":
+            zoo.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                             help="a module of yours that registers model types of your own with transformers' "
+                                  "auto classes (and their conversion mappings), imported first: the zoo runs "
+                                  "them as it runs transformers' own; ',' between them or the option repeated")
         if library in FRAMEWORKS:
             zoo.add_argument("--meshes", action="append", help="meshes, ';' between them or the option repeated, "
                                                                 "e.g. 'dp=2;dp=2,tp=2' (default: every one the zoo runs)")
@@ -367,6 +383,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "diff":
         return diff(args)
+    for module in _imports(args):  # before the model types are read: theirs are among them
+        try:
+            importlib.import_module(module)
+        except Exception as error:  # noqa: BLE001  the user's module: whatever it raises is the line
+            zoos[args.command].error(f"--import {module}: {type(error).__name__}: {error} (give a module importable "
+                                     "from this directory or installed, e.g. --import mypkg.zoo_models)")
     # the model types are read only to check an --only (transformers': every config class imported, seconds)
     only = [m for m in args.only.split(",") if m]
     models = _models(args.command) if only else []

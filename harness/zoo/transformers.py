@@ -22,6 +22,7 @@ whose built model still holds a dropout, is a skip that says why: never a red.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import re
 from dataclasses import dataclass, field
@@ -322,18 +323,19 @@ def model_class(model_type: str):
     tower of a multimodal model, an encoder: what the plan is written for), by the auto mappings or,
     for a config no mapping names, the class of its modeling module that declares that config (a
     causal LM first). Each answers ``_from_config(config, attn_implementation=...)``."""
-    import importlib
-
     from transformers import AutoModel, AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
+                                                        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING,
+                                                        MODEL_MAPPING_NAMES)
     from transformers.modeling_utils import PreTrainedModel
 
-    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return AutoModelForCausalLM
-    if model_type in MODEL_MAPPING_NAMES:
-        return AutoModel
     config_class = CONFIG_MAPPING[model_type]
+    # a model type of the user's own, registered with the auto classes (--import), is theirs to say
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or config_class in MODEL_FOR_CAUSAL_LM_MAPPING._extra_content:
+        return AutoModelForCausalLM
+    if model_type in MODEL_MAPPING_NAMES or config_class in MODEL_MAPPING._extra_content:
+        return AutoModel
     try:
         modeling = importlib.import_module(config_class.__module__.replace(".configuration_", ".modeling_"))
     except ImportError as error:
@@ -582,12 +584,16 @@ PLANS = {"tp": {"tp"}, "tpauto": {"tp"}, "ep": {"ep"}, "tpep": {"tp", "ep"}}
 EXPERT_PLANS = ("ep", "tpep")
 
 
-def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = tuple(PLANS)):
+def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = tuple(PLANS), imports: tuple[str, ...] = ()):
     """Register every architecture with a TP or an EP plan (``only``: these model types) and return
     the cells of the plans it ships: ``tp`` at tp=2 and tp=4, ``tpauto`` at tp=2, ``ep`` at dp=2
-    with ep=2, ``tpep`` at tp=2 with ep=2 (etp=1)."""
+    with ep=2, ``tpep`` at tp=2 with ep=2 (etp=1). ``imports``: modules that register model types of
+    the user's own with transformers' auto classes (and their checkpoint conversion mappings),
+    imported here and by every pool before it forks its ranks."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    for module in imports:
+        importlib.import_module(module)
     out, named = [], {}
     for model_type in only or architectures():
         if name_of(model_type) in named:
@@ -599,7 +605,7 @@ def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = tuple(PLAN
             impls.append("tpfixed")
         name = name_of(model_type)
         register_component(model_component(name, f"harness.zoo.transformers:case({model_type})", impls,
-                                           skip="harness.zoo.transformers:skip_reason"))
+                                           skip="harness.zoo.transformers:skip_reason", preload=imports))
         if "tp" in impls:
             out += model_cells(name, impls=["tp"], meshes=["tp=2", "tp=4"])
         if "tpfixed" in impls:
