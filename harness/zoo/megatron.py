@@ -69,8 +69,10 @@ NOT_RUN = {
     "all-to-all dispatcher with tp": "gloo has no uneven all_gather, which it needs where tp splits too",
     "multi-latent attention, Transformer Engine specs": "they need Transformer Engine (CUDA)",
     "bf16": "Megatron's fp32 main parameters live in its optimizer (Float16Module); not wired yet",
-    "expert biases": "add_bias_linear with MoE raises in the experts' in-place bias add (a view of a custom "
-                     "Function's output)",
+    "expert biases": "an upstream bug: with add_bias_linear an expert's MLP.forward adds its bias in place "
+                     "(output += output_bias * per_token_scale, megatron/core/transformer/mlp.py) to linear_fc2's "
+                     "output, a view _ReduceFromModelParallelRegion returns: autograd refuses it, on one process "
+                     "too and on any device (the local spec's experts)",
     "expert tp other than tp": "ModelCase.placements are fixed per case, and such experts' pieces lie over "
                                "other ranks than tp's; not wired yet",
     "vocabularies that do not divide tp": "GPTModel refuses them; the padding to a multiple is megatron.training's",
