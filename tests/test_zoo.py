@@ -88,7 +88,8 @@ def test_a_known_bug_whose_cell_fails_another_way_a_lost_tie_and_a_wrong_load_ar
     declared: its from_pretrained cell is red by the load check, naming which rows landed where. And
     step3p5 shrunk to its first two layers' MLP kinds, both dense (the shrink keeps one of each): its ep
     cell would run no expert, so it skips saying so, and the report lists the expert entries as
-    unexercised."""
+    unexercised. And ernie4_5_vl_moe_text fed token ids alone (its INPUTS entry gone): no token reaches
+    its vision experts, whose cells pass, and the report lists their entries as given no gradient."""
     pytest.importorskip("transformers", reason="pip install -e '.[thirdparty]'")
     tree = copy_checkout(tmp_path / "tree")
     source = tree / "harness" / "zoo" / "transformers.py"
@@ -105,9 +106,12 @@ def test_a_known_bug_whose_cell_fails_another_way_a_lost_tie_and_a_wrong_load_ar
     sparse = '        sizes["mlp_layer_types"] = (kinds * count)[:count]\n'
     assert sparse in source.read_text()
     source.write_text(source.read_text().replace(sparse, "        pass  # planted: the first layers' kinds, all dense\n"))
+    vision = '    "ernie4_5_vl_moe_text": lambda ids:'
+    assert vision in source.read_text()
+    source.write_text(source.read_text().replace(vision, '    "planted: token ids alone": lambda ids:'))
     env = project.env(PYTHONPATH=os.pathsep.join([str(tree), str(project.path)]))
-    done = project.harness("zoo", "transformers", "--only", "apertus,gemma,hrm_text,step3p5", "--plans", "tp,tpauto,ep",
-                           "-n", "1", "--out", "out", env=env, timeout=900)
+    done = project.harness("zoo", "transformers", "--only", "apertus,gemma,hrm_text,step3p5,ernie4_5_vl_moe_text",
+                           "--plans", "tp,tpauto,ep", "-n", "2", "--out", "out", env=env, timeout=900)
     assert done.returncode == 0, done.tail
     cells = {r["cell"]: r for r in json.loads((project.path / "out" / "zoo.json").read_text())["cells"]}
     assert {c: r["verdict"] for c, r in cells.items()} == {
@@ -119,12 +123,20 @@ def test_a_known_bug_whose_cell_fails_another_way_a_lost_tie_and_a_wrong_load_ar
         "hfhrmtext-tpauto-tp2-fp32-plain-steps3-seed0": "red",
         # two dense layers: the TP plan's dense entries are exercised, the experts' are not
         "hfstep3p5-tp-tp2-fp32-plain-steps3-seed0": "pass", "hfstep3p5-tp-tp4-fp32-plain-steps3-seed0": "pass",
-        "hfstep3p5-tpauto-tp2-fp32-plain-steps3-seed0": "pass", "hfstep3p5-ep-dp2-fp32-ep_2-steps3-seed0": "skip"}, cells
+        "hfstep3p5-tpauto-tp2-fp32-plain-steps3-seed0": "pass", "hfstep3p5-ep-dp2-fp32-ep_2-steps3-seed0": "skip",
+        # fed token ids alone, every token is text: its vision experts get none, and pass unseen
+        "hfernie45vlmoetext-tp-tp2-fp32-plain-steps3-seed0": "pass",
+        "hfernie45vlmoetext-tp-tp4-fp32-plain-steps3-seed0": "pass",
+        "hfernie45vlmoetext-tpauto-tp2-fp32-plain-steps3-seed0": "pass",
+        "hfernie45vlmoetext-ep-dp2-fp32-ep_2-steps3-seed0": "pass"}, cells
     assert cells["hfstep3p5-ep-dp2-fp32-ep_2-steps3-seed0"]["why"].startswith(
         "the tiny build has no expert its EP plan names (layers.*.mlp.experts): a cell would run the dense model"), cells
     experts = ["layers.*.mlp.experts.gate_up_proj", "layers.*.mlp.experts.down_proj", "layers.*.mlp.experts"]
     made = json.loads((project.path / "out" / "zoo.json").read_text())
-    assert made["unexercised"] == {"step3p5": {"tp": experts, "ep": experts}}, made["unexercised"]
+    # ... which the report says: their entries name parameters two steps on one process leave without a gradient
+    vision = [f"layers.*.mlp.vision_moe.experts{part} (no gradient)" for part in (".gate_up_proj", ".down_proj", "")]
+    assert made["unexercised"] == {"step3p5": {"tp": experts, "ep": experts},
+                                   "ernie4_5_vl_moe_text": {"tp": vision, "ep": vision}}, made["unexercised"]
     table = (project.path / "out" / "zoo.md").read_text()
     assert "## Plan entries no cell exercises" in table and "| step3p5 | ep | `layers.*.mlp.experts.gate_up_proj`" in table
     why = cells["hfapertus-tp-tp2-fp32-plain-steps3-seed0"]["why"]

@@ -161,7 +161,8 @@ def annotate(found: list[dict], library: str, imports: tuple[str, ...] = ()) -> 
 
 
 UNEXERCISED = ("Plan entries no cell exercises: they name no module or parameter of the tiny build (its config "
-               "turns them off, or they name nothing at all)")
+               "turns them off, or they name nothing at all), or, marked (no gradient), only parameters that two "
+               "steps on one process leave without a gradient (experts no token reaches)")
 
 
 def unexercised(found: list[dict], library: str) -> dict[str, dict[str, list[str]]]:

@@ -456,6 +456,8 @@ class _Tried(NamedTuple):
     unbuilt: str | None  # why it is not built, or does not run on one process; None when it does
     names: tuple[str, ...]  # its modules' and parameters' names (none when not built)
     plans: dict[str, dict]  # "tp", "ep" -> the built model's ``_tp_plan``, ``_ep_plan``
+    # its parameters, each with whether two steps on one process gave it a gradient other than zero
+    moved: dict[str, bool] = {}
 
 
 @functools.cache
@@ -469,12 +471,27 @@ def _tried(model_type: str) -> _Tried:
         return _Tried(str(error), (), {})
     names = tuple(n for n, _ in model.named_modules()) + tuple(n for n, _ in model.named_parameters())
     plans = {plan: dict(getattr(model, attr, None) or {}) for plan, attr in (("tp", "_tp_plan"), ("ep", "_ep_plan"))}
+    batch = llama_hf.batch(0)
     try:
-        forward(model, llama_hf.batch(0))
+        output = forward(model, batch)
     except Exception as error:  # noqa: BLE001  the shrink's doing, or the architecture's: no plan's
         first = (str(error).splitlines() or [""])[0]
         return _Tried(f"the tiny model does not run on one process: {type(error).__name__}: {first}", names, plans)
-    return _Tried(None, names, plans)
+    # two steps: a parameter behind one that starts at zero (an output projection initialised so) gets
+    # its first gradient at step 2
+    moved = dict.fromkeys((n for n, _ in model.named_parameters()), False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        for step in range(2):
+            batch = llama_hf.batch(step)
+            loss(output if step == 0 else forward(model, batch), batch).backward()
+            for n, p in model.named_parameters():
+                moved[n] = moved[n] or (p.grad is not None and bool(p.grad.any()))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    except Exception:  # noqa: BLE001  the cells' own reference says why; here nothing is known of the gradients
+        return _Tried(None, names, plans)
+    return _Tried(None, names, plans, moved)
 
 
 def unbuilt(model_type: str) -> str | None:
@@ -483,21 +500,36 @@ def unbuilt(model_type: str) -> str | None:
     return _tried(model_type).unbuilt
 
 
+# how unexercised() marks an entry that names parameters step 1 leaves without a gradient
+STILL = " (no gradient)"
+
+
 def unexercised(model_type: str) -> dict[str, list[str]]:
     """The entries of the architecture's TP and EP plans (``_tp_plan``, ``_ep_plan`` of the model it
-    builds, by plan) that name no module or parameter of its tiny build: what the tiny config turns
-    off (the dense MLPs beside MoE layers, an n-gram embedding), so no cell of the zoo exercises
-    them. {} where every entry names something, or where it is not built. An entry names what its
-    ``*`` (a layer's index) and the rest match, as transformers matches it."""
+    builds, by plan) that no cell of the zoo exercises: those that name no module or parameter of its
+    tiny build (what the tiny config turns off: the dense MLPs beside MoE layers, an n-gram
+    embedding), and, marked :data:`STILL`, those whose parameters (the named ones, or those under the
+    named modules) all get zero gradients from two steps on one process: experts no token reaches (a
+    multimodal model's vision experts, fed text), where a wrong sharding passes unseen. {} where every
+    entry is exercised, or where it is not built. An entry names what its ``*`` (a layer's index) and
+    the rest match, as transformers matches it."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
         return {}
     tried, missed = _tried(model_type), {}
     for plan, entries in tried.plans.items():
-        patterns = {e: re.compile(re.escape(e).replace(r"\*", r"\d+")) for e in entries}
-        if unmatched := [e for e, pattern in patterns.items() if not any(pattern.fullmatch(n) for n in tried.names)]:
-            missed[plan] = unmatched
+        out = []
+        for entry in entries:
+            pattern = re.compile(re.escape(entry).replace(r"\*", r"\d+"))
+            named = [n for n in tried.names if pattern.fullmatch(n)]
+            judged = [p for p in tried.moved if any(p == n or p.startswith(n + ".") for n in named)]
+            if not named:
+                out.append(entry)
+            elif judged and not any(tried.moved[p] for p in judged):
+                out.append(entry + STILL)
+        if out:
+            missed[plan] = out
     return missed
 
 
