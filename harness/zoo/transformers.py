@@ -377,10 +377,8 @@ def build_tiny(model_type: str) -> torch.nn.Module:
     """The architecture's causal LM (or base model: :func:`model_class`), tiny, eager attention; its
     routers initialised wide enough that top-k choices do not hang on fp32 rounding (as
     harness.examples.qwen3moe_hf does)."""
-    made = _concrete(model_type)
     # what it takes first: a tower of pixels or audio is not the zoo's, whatever its config would reject
-    if made is not None and "input_ids" not in inspect.signature(made.forward).parameters:
-        raise Unbuildable(f"{made.__name__} takes no token ids (pixels, audio): the zoo feeds token ids")
+    _takes_token_ids(_concrete(model_type))
     failed = None
     for layers in ("kinds", "front"):
         try:
@@ -388,6 +386,12 @@ def build_tiny(model_type: str) -> torch.nn.Module:
         except Unbuildable as error:
             failed = failed or error
     raise failed
+
+
+def _takes_token_ids(made) -> None:
+    """:class:`Unbuildable` where model class ``made`` (None: not known yet) takes no ``input_ids``."""
+    if made is not None and "input_ids" not in inspect.signature(made.forward).parameters:
+        raise Unbuildable(f"{made.__name__} takes no token ids (pixels, audio): the zoo feeds token ids")
 
 
 def _concrete(model_type: str):
@@ -403,9 +407,10 @@ def _concrete(model_type: str):
     if mapping is None:
         return made
     try:
-        return mapping[CONFIG_MAPPING[model_type]]
+        found = mapping[CONFIG_MAPPING[model_type]]
     except (KeyError, ValueError):
         return None
+    return found if isinstance(found, type) else None  # a mapping to several classes: the config decides
 
 
 def _built(model_type: str, config) -> torch.nn.Module:
@@ -418,6 +423,7 @@ def _built(model_type: str, config) -> torch.nn.Module:
     try:
         with torch.device("meta"):  # its size first: a field the shrink missed can ask for gigabytes
             sized = build(config, attn_implementation="eager")
+        _takes_token_ids(type(sized))  # where its class was known only from its config
         count = sum(p.numel() for p in sized.parameters())
         if count > MOST_PARAMETERS:
             raise Unbuildable(f"the generic shrink leaves {count:,} parameters (at most {MOST_PARAMETERS:,}): "
