@@ -89,8 +89,6 @@ OVERRIDES: dict[str, dict] = {
     # mlp_layer_types and num_experts_per_tok None by default (the model indexes the one and routes by
     # the other; its checkpoints set both): a dense layer, then a sparse one, top-2
     "deepseek_ocr2_text": {"mlp_layer_types": ["dense", "sparse"], "num_experts_per_tok": 2},
-    # its language model's sizes in its own config, its vision and audio towers' in sub-configs the
-    # shrink does not reach (870 M parameters left): the towers tiny too (token ids alone reach neither)
     # its DSA attention takes no rope (the shrink's qk_rope_head_dim of 4 is rejected); the indexer's top-k a
     # whole number of its pools; its linear-attention (KDA) heads tiny; a KDA layer then a DSA one, a dense MLP
     # then a sparse one, as its layers alternate at full size
@@ -106,6 +104,8 @@ OVERRIDES: dict[str, dict] = {
                              "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [1, 1, 2]}},
     # its encoder reads config.dropout_rate, a field its config does not declare (transformers' slip): given
     "t5gemma2_text": {"dropout_rate": 0.0},
+    # its language model's sizes in its own config, its vision and audio towers' in sub-configs the
+    # shrink does not reach (870 M parameters left): the towers tiny too (token ids alone reach neither)
     "phi4_multimodal": {
         "vision_config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                           "image_size": 28, "patch_size": 14, "crop_size": 28},
@@ -468,9 +468,9 @@ class _Tried(NamedTuple):
 
 @functools.cache
 def _tried(model_type: str) -> _Tried:
-    """The architecture built tiny and run on one process, once per process, in the parent, before
-    any rank is asked to; what :func:`unbuilt` and :func:`unexercised` read from it (the model is
-    not kept)."""
+    """The architecture built tiny and trained two steps on one process, once per process, in the
+    parent, before any rank is asked to; what :func:`unbuilt` and :func:`unexercised` read from it
+    (the model is not kept)."""
     try:
         model = build_tiny(model_type)
     except Unbuildable as error:
@@ -506,7 +506,7 @@ def unbuilt(model_type: str) -> str | None:
     return _tried(model_type).unbuilt
 
 
-# how unexercised() marks an entry that names parameters step 1 leaves without a gradient
+# how unexercised() marks an entry whose parameters two steps on one process leave without a gradient
 STILL = " (no gradient)"
 
 
