@@ -462,42 +462,47 @@ class _Tried(NamedTuple):
     unbuilt: str | None  # why it is not built, or does not run on one process; None when it does
     names: tuple[str, ...]  # its modules' and parameters' names (none when not built)
     plans: dict[str, dict]  # "tp", "ep" -> the built model's ``_tp_plan``, ``_ep_plan``
-    # its parameters, each with whether two steps on one process gave it a gradient other than zero
-    moved: dict[str, bool] = {}
 
 
 @functools.cache
 def _tried(model_type: str) -> _Tried:
-    """The architecture built tiny and trained two steps on one process, once per process, in the
-    parent, before any rank is asked to; what :func:`unbuilt` and :func:`unexercised` read from it
-    (the model is not kept)."""
+    """The architecture built tiny and run on one process, once per process, in the parent, before
+    any rank is asked to; what :func:`unbuilt` and :func:`unexercised` read from it (the model is
+    not kept)."""
     try:
         model = build_tiny(model_type)
     except Unbuildable as error:
         return _Tried(str(error), (), {})
     names = tuple(n for n, _ in model.named_modules()) + tuple(n for n, _ in model.named_parameters())
     plans = {plan: dict(getattr(model, attr, None) or {}) for plan, attr in (("tp", "_tp_plan"), ("ep", "_ep_plan"))}
-    batch = llama_hf.batch(0)
     try:
-        output = forward(model, batch)
+        forward(model, llama_hf.batch(0))
     except Exception as error:  # noqa: BLE001  the shrink's doing, or the architecture's: no plan's
         first = (str(error).splitlines() or [""])[0]
         return _Tried(f"the tiny model does not run on one process: {type(error).__name__}: {first}", names, plans)
-    # two steps: a parameter behind one that starts at zero (an output projection initialised so) gets
-    # its first gradient at step 2
+    return _Tried(None, names, plans)
+
+
+@functools.cache
+def _moved(model_type: str) -> dict[str, bool]:
+    """Each parameter of the architecture's tiny build (one that runs on one process), with whether
+    two steps on one process give it a gradient other than zero; {} where the steps fail. Two steps:
+    a parameter behind one that starts at zero (an output projection initialised so) gets its first
+    gradient at step 2. The report's alone (:func:`unexercised`): resolving a cell never pays for it."""
+    model = build_tiny(model_type)
     moved = dict.fromkeys((n for n, _ in model.named_parameters()), False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
         for step in range(2):
             batch = llama_hf.batch(step)
-            loss(output if step == 0 else forward(model, batch), batch).backward()
+            loss(forward(model, batch), batch).backward()
             for n, p in model.named_parameters():
                 moved[n] = moved[n] or (p.grad is not None and bool(p.grad.any()))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     except Exception:  # noqa: BLE001  the cells' own reference says why; here nothing is known of the gradients
-        return _Tried(None, names, plans)
-    return _Tried(None, names, plans, moved)
+        return {}
+    return moved
 
 
 def unbuilt(model_type: str) -> str | None:
@@ -524,15 +529,16 @@ def unexercised(model_type: str) -> dict[str, list[str]]:
     if model_type not in CONFIG_MAPPING:
         return {}
     tried, missed = _tried(model_type), {}
+    moved = _moved(model_type) if tried.unbuilt is None else {}
     for plan, entries in tried.plans.items():
         out = []
         for entry in entries:
             pattern = re.compile(re.escape(entry).replace(r"\*", r"\d+"))
             named = [n for n in tried.names if pattern.fullmatch(n)]
-            judged = [p for p in tried.moved if any(p == n or p.startswith(n + ".") for n in named)]
+            judged = [p for p in moved if any(p == n or p.startswith(n + ".") for n in named)]
             if not named:
                 out.append(entry)
-            elif judged and not any(tried.moved[p] for p in judged):
+            elif judged and not any(moved[p] for p in judged):
                 out.append(entry + STILL)
         if out:
             missed[plan] = out
