@@ -129,7 +129,7 @@ def run_cell(cell: Cell | Config, pool, *, golden_dir: Path | None = None, updat
     if golden_dir is not None:
         try:
             check_golden(outcome, Path(golden_dir), update=update_golden, missing=missing_golden,
-                         backend=pool.backend, rerun=rerun)
+                         backend=pool.backend, rerun=rerun, kept=cell.in_golden)
         except Divergence as drift:
             drift.record = outcome.record
             raise
@@ -138,17 +138,25 @@ def run_cell(cell: Cell | Config, pool, *, golden_dir: Path | None = None, updat
 
 
 def _first(params: list[str]):
-    """Sort key of a failure table's rows: the tensors of ``params`` in that order, then the rest."""
+    """Sort key of a failure table's rows: the tensors of ``params`` in that order, each one's
+    gradients first, by step, then the rest."""
     if not params:
         return None
     rank = {p: i for i, p in enumerate(params)}
-    return lambda tensor: rank.get(parse(tensor).param, len(rank))
+
+    def key(tensor: str) -> tuple:
+        name = parse(tensor)
+        return rank.get(name.param, len(rank)), name.kind != "grad", name.step or 1
+    return key
 
 
 def check_golden(outcome: CellOutcome, root: Path, *, update: bool = False, missing: str = "write",
-                 backend: str = "", rerun: str = "") -> None:
-    """Hold ``outcome`` against its golden file; write the file when asked (or missing, if allowed)."""
+                 backend: str = "", rerun: str = "", kept=None) -> None:
+    """Hold ``outcome`` against its golden file; write the file when asked (or missing, if allowed).
+    ``kept(name)``: whether a result goes in the file (:meth:`harness.resolve.Cell.in_golden`; all
+    when None)."""
     cfg, tol = outcome.cfg, outcome.tol
+    result = outcome.result if kept is None else {n: t for n, t in outcome.result.items() if kept(n)}
     path = golden_path(root, cfg)
     try:
         stored, _ = read_golden(path, cfg, rerun)
@@ -161,7 +169,7 @@ def check_golden(outcome: CellOutcome, root: Path, *, update: bool = False, miss
             raise
         stored = None
     if stored is not None:
-        outcome.golden = compare(outcome.result, stored, tol)
+        outcome.golden = compare(result, stored, tol)
         same = outcome.golden.bit_identical
         outcome.golden_status = "identical" if same else "within tolerance"
         if same or (not update and outcome.golden.ok):
@@ -172,5 +180,6 @@ def check_golden(outcome: CellOutcome, root: Path, *, update: bool = False, miss
                              f"{'reproduce: ' + rerun if rerun else 'config: ' + cfg.id}\n"
                              f"if the change is intended: {update_command(rerun)}", outcome.golden, drift=True)
         outcome.moved = outcome.golden.table(only_failing=False)
-    write_golden(path, outcome.result, metadata(cfg, str(tol), backend))
+    write_golden(path, result, metadata(cfg, str(tol), backend))
     outcome.golden_status = "updated" if stored is not None else "written"
+

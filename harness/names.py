@@ -121,6 +121,12 @@ def step_name(step: int, name: str) -> str:
     return f"step{step}/{name}"
 
 
+def step_grad_name(step: int, param: str) -> str:
+    """A whole model's gradient of ``param`` at its optimizer step ``step`` (1-based): ``grad/<p>``
+    at step 1, ``step<k>/grad/<p>`` after it."""
+    return grad_name(param) if step == 1 else step_name(step, grad_name(param))
+
+
 def loss_name(step: int) -> str:
     """A whole model's loss of step ``step`` (1-based)."""
     return f"loss/step{step}"

@@ -21,7 +21,7 @@ import torch
 from .compare.tolerance import Tolerances
 from .config import Config, ConfigError
 from .known import Known
-from .names import NOT_JUDGED
+from .names import NOT_JUDGED, parse
 from .paths import load
 from .registry import (Component, Diagnosis, Implementation, check_rules, diagnosed, get, meshes_of, ranks_needed,
                        reference_of)
@@ -79,6 +79,14 @@ class Cell:
     def reduction(self) -> int | dict[str, int]:
         """Terms a result's reduction adds (the component's ``reduction``), for the tolerance policy."""
         return load(self.component.reduction)(self.cfg)
+
+    def in_golden(self, name: str) -> bool:
+        """Whether result ``name`` goes in the cell's golden file: all but a whole model's gradients
+        after step 1, which are judged against the reference; over time, the final parameters and
+        optimizer state the file holds carry what they did (and files written before they were
+        judged stay valid)."""
+        result = parse(name)
+        return self.component.case is None or not (result.kind == "grad" and result.step)
 
     def valid(self) -> Cell:
         """This cell, or :class:`ConfigError` naming the rule it breaks when it is ``invalid``."""

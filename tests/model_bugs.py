@@ -76,10 +76,25 @@ def stage_reinitialised(model, meshes):
     return made
 
 
+def gradients_kept(model, meshes):
+    """A trainer's own gradient buffer for the output head that nothing zeroes between steps (a
+    hand-rolled accumulation): step 1's gradients are right, every later step's hold the steps
+    before it too."""
+    made = titan.parallelize_stage(model, meshes, loss_parallel=True)
+    kept = []
+
+    def accumulate(weight):
+        if kept:
+            weight.grad += kept[0]
+        kept[:] = [weight.grad.detach().clone()]
+    made.output.weight.register_post_accumulate_grad_hook(accumulate)
+    return made
+
+
 BUGS = ModelCase(build=titan.Transformer, batch=titan.batch, loss=titan.loss, parallelize={
     "wocol": wo_colwise, "nosp": norm_without_sequence_parallel, "hsdpdims": hsdp_wrong_dims,
     "lossworld": loss_over_world_twice, "stagereinit": stage_reinitialised, "tpnosp": tp_without_sequence_parallel,
-    "wopartial": wo_partial_in_one_block, "wohook": wo_scaled_in_one_block})
+    "wopartial": wo_partial_in_one_block, "wohook": wo_scaled_in_one_block, "gradkept": gradients_kept})
 
 
 # ---- a tied embedding across pipeline stages --------------------------------------------------------

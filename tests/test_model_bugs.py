@@ -21,6 +21,9 @@ BUGS = [
      "first diverging module: none, it starts in the loss (step 1): every judged forward output matches, the "
      "gradient the loss hands back to output does not (the reference x 1/2 = 1/dp)"),
     (model_cells("tied", impls=["untied"], meshes=["pp=2"])[0], "tok_embeddings.weight (module tok_embeddings"),
+    # step 1's gradients are right: the gradients of every step are compared, and the first wrong one named
+    (model_cells("bugs", impls=["gradkept"], meshes=["tp=2"])[0],
+     "first diverging parameter gradients (step 2, in backward order): output.weight (module output: mismatch"),
     # a pipeline's microbatch activations, joined, are compared as an unpipelined model's: the bug in
     # the second stage of 1F1B is named at its module
     (model_cells("bugs", impls=["stagereinit"], meshes=["pp=2"])[0],

@@ -24,7 +24,8 @@ Public API::
 * Ids: ``<model>-<impl>-<mesh>-<dtype>-<switches>-steps<N>-seed<S>``, mesh dims ``pp``, ``rep``,
   ``dp``, ``cp``, ``tp`` (in that order, :mod:`harness.names`), switches ``ep_<N>``, ``etp_<N>``,
   ``reshard_<layout>`` and the case's own.
-* Results: ``loss/step<k>`` (k from 1), ``grad/<param>`` (step 1), ``param/<param>`` and
+* Results: ``loss/step<k>`` (k from 1), ``grad/<param>`` (step 1) and ``step<k>/grad/<param>`` (each
+  later step), ``param/<param>`` and
   ``opt/<state>/<param>`` (after the last step), parameter names as ``named_parameters()`` of the
   unparallelized model gives them (tied parameters under their first name).
 * Events (when a failing cell runs again, and in bisect): ``fwd module module=<name> microbatch=<call>

@@ -22,7 +22,7 @@ from typing import NamedTuple
 from ..bisect.localise import localise
 from ..bisect.signature import factor_text
 from ..config import Config
-from ..names import grad_name, parse
+from ..names import grad_name, parse, step_grad_name
 from ..registry import Diagnosis
 from ..world import any_world
 from .batches import start_model
@@ -257,14 +257,17 @@ def table_order(backward: list[str], first: str | None) -> list[str]:
 
 def first_gradients(backward: list[str], report, mesh=(), partial: dict[str, str] | None = None,
                     means: dict[str, str] | None = None, most: int = 3) -> str:
-    """The parameters whose step-1 gradient diverges, in the order backward computes them
-    (``backward``: :func:`backward_order`), each with its module and what is wrong: a
+    """The parameters whose gradient diverges at the first step where one does, in the order
+    backward computes them (``backward``: :func:`backward_order`), each with its module and what is
+    wrong: a
     gradient the ranks hold as partial sums over a mesh dim (``partial``: gradient name -> dim, from
     the localisation) says its all-reduce is missing, one whose copies' mean over a dim matches
     (``means``) that its reduction over the dim is; one that is the reference times a group's size
     or one over it says which group, of ``mesh``; "" when every gradient matches."""
     failing = {row.tensor: row for row in report.failing()}
-    bad = [(n, failing[grad_name(n)]) for n in backward if grad_name(n) in failing]
+    steps = sorted({name.step or 1 for name in map(parse, failing) if name.kind == "grad"})
+    step = steps[0] if steps else 1  # the first step whose gradients diverge
+    bad = [(n, failing[step_grad_name(step, n)]) for n in backward if step_grad_name(step, n) in failing]
     if not bad:
         return ""
 
@@ -273,10 +276,10 @@ def first_gradients(backward: list[str], report, mesh=(), partial: dict[str, str
         return f": the reference {text}" if text else ""
 
     def problem(n: str, row) -> str:
-        dim = (partial or {}).get(grad_name(n))
+        dim = (partial or {}).get(step_grad_name(step, n))
         if dim:
             return f"partial sums over {dim} (summed they match the reference): its all-reduce over {dim} is missing"
-        dim = (means or {}).get(grad_name(n))
+        dim = (means or {}).get(step_grad_name(step, n))
         if dim:
             return f"differs over {dim} (averaged over {dim} it matches the reference): its reduction over {dim} is missing"
         return f"{row.problem}, norm ratio {row.norm_ratio:.4g}{factor(row)}"
@@ -284,4 +287,4 @@ def first_gradients(backward: list[str], report, mesh=(), partial: dict[str, str
     shown = [f"{n} (module {n.rpartition('.')[0] or n}: {problem(n, row)}" + (f", ranks {row.ranks}" if row.ranks else "")
              + ")" for n, row in bad[:most]]
     more = f", and {len(bad) - most} more" if len(bad) > most else ""
-    return f"first diverging parameter gradients (step 1, in backward order): {'; '.join(shown)}{more}"
+    return f"first diverging parameter gradients (step {step}, in backward order): {'; '.join(shown)}{more}"

@@ -77,18 +77,20 @@ def _train(trainer: OnRank, case: ModelCase, cfg: Config) -> dict[str, Piece]:
     trainer.recorder = _recorder(trainer, case, cfg) if events.active() else None
     pieces: dict[str, Piece] = {}
     with trainer.notes.watching():
-        losses = trainer.train(range(cfg.size("steps")), lambda grads: first_step(trainer, grads, pieces))
+        losses = trainer.train(range(cfg.size("steps")), lambda step, grads: gradients(trainer, step, grads, pieces))
     if trainer.recorder is not None:
         trainer.recorder.remove()
-    return {name: Piece.full(loss) for name, loss in losses.items()} | pieces \
-        | placed(trainer, state_of(trainer.params, trainer.optimizer))
+    pieces |= local_pieces(trainer, state_of(trainer.params, trainer.optimizer))
+    return {name: Piece.full(loss) for name, loss in losses.items()} | held(trainer, pieces)
 
 
-def first_step(trainer: OnRank, grads: dict[str, torch.Tensor], pieces: dict[str, Piece]) -> None:
-    """After step 1's backward: the cell fails on every rank if a dim split nothing (no verdict on
-    numbers that one process computed on every rank), else step 1's gradients go into ``pieces``."""
-    agree(trainer.notes, trainer.cfg.impl)
-    pieces.update(placed(trainer, grads))
+def gradients(trainer: OnRank, step: int, grads: dict[str, torch.Tensor], pieces: dict[str, Piece]) -> None:
+    """After a step's backward, its gradients go into ``pieces`` (this rank's, :func:`local_pieces`);
+    after step 1's, first, the cell fails on every rank if a dim split nothing (no verdict on numbers
+    that one process computed on every rank)."""
+    if step == 1:
+        agree(trainer.notes, trainer.cfg.impl)
+    pieces.update(local_pieces(trainer, grads))
 
 
 def _recorder(trainer: OnRank, case: ModelCase, cfg: Config) -> Recorder:
@@ -110,7 +112,7 @@ def _recorder(trainer: OnRank, case: ModelCase, cfg: Config) -> Recorder:
         microbatches=trainer.pipelined is not None, names=trainer.global_module_names())
 
 
-def placed(trainer: OnRank, tensors: dict[str, torch.Tensor]) -> dict[str, Piece]:
+def local_pieces(trainer: OnRank, tensors: dict[str, torch.Tensor]) -> dict[str, Piece]:
     """A rank's named parameter tensors (gradients, values, optimizer state) as pieces on the cell's
     mesh: DTensors by their placements, plain ones as ``ModelCase.placements`` declares."""
     local = {}
@@ -118,6 +120,12 @@ def placed(trainer: OnRank, tensors: dict[str, torch.Tensor]) -> dict[str, Piece
         plain = None if isinstance(tensor, DTensor) else \
             declared_placements(parse(name).param, trainer.case.placements, trainer.degrees)
         local[name] = piece_of(tensor, trainer.degrees, plain, ours=trainer.ours)
+    return local
+
+
+def held(trainer: OnRank, local: dict[str, Piece]) -> dict[str, Piece]:
+    """This rank's pieces, and where some ranks hold a name and others do not (a pipeline's stages,
+    local experts), each name on every rank (:func:`_over_holders`, one collective for them all)."""
     return _over_holders(trainer, local) if trainer.spec.pp > 1 or trainer.local_names else local
 
 
@@ -178,10 +186,10 @@ def round_trip(case: ModelCase, ctx: RankContext, cfg: Config, trip: plan.Reshar
     reloaded state as full tensors (so the two layouts' placements never need to agree)."""
     path = os.path.join(ctx.scratch, "paritytest-checkpoint")
     saver = OnRank(case, ctx, cfg)
-    pieces: dict[str, Piece] = {}
+    grads: dict[str, Piece] = {}
     with saver.notes.watching():
-        losses = saver.train(range(trip.save_step), lambda grads: first_step(saver, grads, pieces))
-    pieces |= {name: Piece.full(loss) for name, loss in losses.items()}
+        losses = saver.train(range(trip.save_step), lambda step, step_grads: gradients(saver, step, step_grads, grads))
+    pieces = held(saver, grads) | {name: Piece.full(loss) for name, loss in losses.items()}
     cell = ctx.mesh(plan.ranks_of(cfg.world)).get_group()  # the cell's ranks (the pool may have more)
     model_sd, optim_sd = get_state_dict(saver.modules[0], saver.optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=cell)
@@ -220,9 +228,12 @@ def _load(model: nn.Module, optimizer, path: str, group) -> None:
 
 
 def _resumed(trainer: Trainer, steps: range) -> dict[str, torch.Tensor]:
-    """The remaining steps' losses and the final state as full tensors (a collective for DTensors)."""
-    losses = {name: loss.cpu() for name, loss in trainer.train(steps).items()}
-    return losses | {name: _full(t) for name, t in state_of(trainer.params, trainer.optimizer).items()}
+    """The remaining steps' losses and gradients and the final state as full tensors (a collective
+    for DTensors)."""
+    grads: dict[str, torch.Tensor] = {}
+    losses = {name: loss.cpu() for name, loss in
+              trainer.train(steps, lambda _, step_grads: grads.update({n: _full(g) for n, g in step_grads.items()})).items()}
+    return losses | grads | {name: _full(t) for name, t in state_of(trainer.params, trainer.optimizer).items()}
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -232,8 +243,8 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 # ---- the plan, the reference, the tolerance ---------------------------------------------------------
 @in_cell
 def reference(case: ModelCase, cfg: Config) -> dict[str, torch.Tensor]:
-    """``loss/step<k>``, ``grad/<p>`` (step 1), ``param/<p>`` and ``opt/<state>/<p>`` (after the last
-    step) of the same model on one process in fp64, trained on the whole global batch of every step;
+    """``loss/step<k>``, ``grad/<p>`` (step 1) and ``step<k>/grad/<p>`` (each later step),
+    ``param/<p>`` and ``opt/<state>/<p>`` (after the last step) of the same model on one process in fp64, trained on the whole global batch of every step;
     ``{NOT_JUDGED: why}`` instead when it draws random numbers (:mod:`harness.model.draws`).
 
     A model whose fp64 run fails on fp64 is run again with each op that fails on inputs mixing fp32
@@ -276,10 +287,10 @@ def calibration(case: ModelCase, cfg: Config) -> dict[str, torch.Tensor]:
 
 
 def _trained(trainer: OneProcess, cfg: Config) -> dict[str, torch.Tensor]:
-    """The cell's steps on one process: each step's loss, step 1's gradients, the final state."""
+    """The cell's steps on one process: each step's loss and gradients, the final state."""
     result: dict[str, torch.Tensor] = {}
     result |= trainer.train(range(cfg.size("steps")),
-                            lambda grads: result.update({n: g.detach().clone() for n, g in grads.items()}))
+                            lambda _, grads: result.update({n: g.detach().clone() for n, g in grads.items()}))
     return result | {name: t.detach().clone() for name, t in state_of(trainer.params, trainer.optimizer).items()}
 
 

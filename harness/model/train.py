@@ -1,7 +1,7 @@
 """One training loop for a model cell, and the two kinds of trainer it drives.
 
-:meth:`Trainer.train` is the loop: batch, forward, loss, backward, the step's loss, the gradients of
-step 1, the optimizer step. :class:`OnRank` runs it on a rank of the cell's mesh, on the model
+:meth:`Trainer.train` is the loop: batch, forward, loss, backward, the step's loss and gradients,
+the optimizer step. :class:`OnRank` runs it on a rank of the cell's mesh, on the model
 ``parallelize`` made (the parallel run, and both halves of a reshard round trip);
 :class:`OneProcess` runs it on the whole model in one process: the fp64 reference, and the model a
 ``reshard_one`` cell resumes. :func:`state_of` names what a trainer ends with.
@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from ..compare.tolerance import TORCH_DTYPE
 from ..config import Config
 from ..context import RankContext
-from ..names import grad_name, loss_name, mesh_names, param_name, state_name
+from ..names import loss_name, mesh_names, param_name, state_name, step_grad_name
 from ..world import check_mesh_covers
 from .batches import as_dtype, batch_dtype, global_batch, local_batch, start_model
 from .case import ModelCase, Parallelized, Pipelined
@@ -79,9 +79,10 @@ def aliases(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def gradients_of(params: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """``grad/<p>`` of every parameter (zeros where backward left none)."""
-    return {grad_name(n): p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params}
+def gradients_of(params: list[tuple[str, torch.Tensor]], step: int = 1) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient at ``step`` (zeros where backward left none), by
+    :func:`harness.names.step_grad_name`."""
+    return {step_grad_name(step, n): p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params}
 
 
 def state_of(params: list[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -112,18 +113,18 @@ class Trainer:
     def before_optimizer(self) -> None:
         """Between backward and the optimizer step."""
 
-    def train(self, steps: range, first_gradients: Callable[[dict[str, torch.Tensor]], None] | None = None
+    def train(self, steps: range, gradients: Callable[[int, dict[str, torch.Tensor]], None] | None = None
               ) -> dict[str, torch.Tensor]:
-        """Take ``steps`` (0-based); each step's loss by name. ``first_gradients`` is handed the
-        gradients of step 1 when ``steps`` holds it, before the optimizer step."""
+        """Take ``steps`` (0-based); each step's loss by name. ``gradients`` is handed each step's
+        number (1-based) and its gradients (:func:`gradients_of`), before its optimizer step."""
         losses = {}
         for step in steps:
             if self.recorder is not None:
                 self.recorder.step = step + 1
             losses[loss_name(step + 1)] = self.step(self.batch(step))
             self.before_optimizer()
-            if step == 0 and first_gradients is not None:
-                first_gradients(gradients_of(self.params))
+            if gradients is not None:
+                gradients(step + 1, gradients_of(self.params, step + 1))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return losses
