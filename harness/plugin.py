@@ -16,7 +16,7 @@ import pytest
 
 from . import selection
 from .options import add_options, check_options, keep_seconds, usage
-from .screen import Alike
+from .screen import Alike, live_line
 from .summary import Summary
 from .torchrun.plugin import TorchrunPlugin, launched_by_torchrun, runner_of
 
@@ -24,6 +24,7 @@ TORCHRUN_PLUGIN = "paritytest-torchrun"
 _KEEP = pytest.StashKey[float]()  # the kept pool's idle seconds (0: none), read once at configure
 _summary = Summary()
 _alike: Alike | None = None  # where the failures are printed: this process, unless an xdist worker
+_live = None  # the config, where each failing cell is also said the moment it fails (not under -q)
 _timeline = None  # harness.report.workers.Timeline, made at the session's start
 
 
@@ -54,9 +55,10 @@ def pytest_load_initial_conftests(early_config, parser, args):
 def pytest_configure(config):
     """Reject bad option values and unresolvable implementations before anything runs: one line each.
     Under torchrun, join the job (its plugin's configure, before junitxml's)."""
-    global _alike
+    global _alike, _live
     check_options(config)
     _alike = None if hasattr(config, "workerinput") else Alike()
+    _live = config if _alike is not None and config.get_verbosity() >= 0 else None
     if config.getoption("--stop-pool"):
         from .pool.kept import stop
 
@@ -202,8 +204,21 @@ def pytest_runtest_logreport(report):
     _summary.add(report, record)
     if _timeline is not None:
         _timeline.add(report)
+    if _live is not None and record is not None and report.failed:
+        _say_now(_live, record, report)
     if _alike is not None:
         _alike.add(report, record)
+
+
+def _say_now(config, record: dict, report) -> None:
+    """A failing cell's line, on its own line amid the progress dots: a long run shows what failed
+    and where as it happens, not only at its end."""
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        tr.ensure_newline()
+        if tr._tw.width_of_current_line:  # after xdist's dots, which ensure_newline does not end
+            tr._tw.line()
+        tr.write_line(live_line(record, report), red=True)
 
 
 def pytest_sessionfinish(session):

@@ -40,6 +40,14 @@ def first_line(text: str) -> str:
     return " ".join(whole)
 
 
+def live_line(record: dict, report, width: int = WIDTH) -> str:
+    """The line a failing cell prints the moment it fails, before the run's failures section: its id
+    and where its diagnosis says it starts (else the failure's own first line), cut to ``width``."""
+    detail = record.get("where") or first_line(report.longreprtext)
+    line = f"FAILED {record['cell']}: {detail}"
+    return line if len(line) <= width else line[:width - 3] + "..."
+
+
 class Alike:
     """The failures of a run, each way of failing printed once: the first cell in full, with the ids
     of the others; each other in a line that names it. A way of failing: the component, the

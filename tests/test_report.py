@@ -19,14 +19,20 @@ from .ci_project import BUGGY, CASES, CONFTEST, ROOT, expected_red
 
 
 @pytest.fixture(scope="module")
-def planted(tmp_path_factory):
-    """The planted-bug project, run once under xdist with junit XML (as the workflow runs the matrix)."""
+def planted_run(tmp_path_factory):
+    """The planted-bug project, run once under xdist with junit XML (as the workflow runs the matrix):
+    its directory and the run."""
     project = UserProject(tmp_path_factory.mktemp("planted") / "project",
                           {"test_cells.py": CASES, "buggy.py": BUGGY, "conftest.py": CONFTEST})
     done = project.run("python", "-m", "pytest", "-p", "no:cacheprovider", "--pool-size", "4", "-n", "2",
                        "--junitxml", "junit.xml")
     assert done.returncode == 1, done.tail
-    return project.path
+    return project.path, done
+
+
+@pytest.fixture(scope="module")
+def planted(planted_run):
+    return planted_run[0]
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +52,18 @@ def test_the_junit_records_hold_every_cell_and_the_bug_turns_exactly_the_expecte
     everything = {c.cell for c in results.cells}
     assert len(everything) == 24
     assert red == {c for c in everything if expected_red(c)} and len(red) == 4
+
+
+def test_each_failing_cell_is_said_the_moment_it_fails_amid_the_progress_dots(planted_run):
+    project, done = planted_run
+    before = done.stdout.split("= FAILURES =")[0]  # what the run printed while its cells ran
+    said = re.findall(r"^FAILED (\S+): (.+)$", before, re.M)
+    records = {c.cell: c.record for c in read([project / "junit.xml"]).cells}
+    red = {cell for cell in records if expected_red(cell)}
+    assert sorted(cell for cell, _ in said) == sorted(red) and len(red) == 4, before
+    for cell, where in said:  # where its diagnosis says it starts, within 120 columns
+        assert len(f"FAILED {cell}: {where}") <= 120
+        assert records[cell]["where"].startswith(where.removesuffix("...")), (where, records[cell])
 
 
 def test_the_summary_leads_with_the_failures_and_names_each_failing_cell_with_table_and_reproduce(reported):

@@ -12,6 +12,7 @@ The bugs are users' parallelize functions registered by path from the project's 
 ``ep_without_expert_sum`` (tests/model_bugs_moe.py), ``stage_reinitialised``, ``wo_partial_in_one_block`` and
 ``wo_scaled_in_one_block`` (tests/model_bugs.py), ``caller_reduces_fc2_gradient_twice``
 (tests/model_handtp.py)."""
+import re
 import textwrap
 
 import pytest
@@ -48,6 +49,8 @@ def test_each_bug_is_named_where_it_starts(user_project):
     done = user_project.pytest("--case-deadline", "120")
     assert done.returncode == 1 and "5 failed, 2 passed" in done.stdout, done.tail
     assert "test_bug[callerreduces-callerreduces-" not in done.summary  # its caller reduces it: right, green
+    # -q (UserProject.pytest's) leaves out the line each failing cell says as it fails, as pytest's own
+    assert not re.search(r"^FAILED \S+: ", done.stdout.split("= FAILURES =")[0], re.M), done.stdout[:3000]
     moe, pipe, partial, hooked, reduced = (done.stdout.split(f"test_bug[{cell}")[1] for cell in
                                            ("moebug-noexpsum", "pipebug-stagereinit", "pipebug-wopartial",
                                             "pipebug-wohook", "callerreduces-fc2gradtwice"))
