@@ -13,6 +13,7 @@ which is also what DTensor does for uneven shards.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -246,15 +247,23 @@ def _run(index: torch.Tensor) -> slice | None:
 
 def piece_index(piece: Piece, layout: MeshLayout, rank: int) -> list[torch.Tensor]:
     """Per tensor dim, the logical indices that ``rank``'s piece covers (nested shards apply in mesh order)."""
+    return list(_placed(piece.shape, tuple(piece.placements.items()), layout, rank)[0])
+
+
+@functools.lru_cache(maxsize=4096)
+def _placed(shape: tuple[int, ...], placements: tuple, layout: MeshLayout, rank: int) -> tuple[tuple, tuple]:
+    """:func:`piece_index` and its :func:`grid` key, kept: a cell's gradients of every step, parameters
+    and optimizer states share a few shapes and placements. Read only, never written to."""
     import torch
 
-    index = [torch.arange(s) for s in piece.shape]
+    index = [torch.arange(s) for s in shape]
     coords = layout.coords(rank)
+    given = dict(placements)
     for name, n, c in zip(layout.names, layout.shape, coords):
-        shard = piece.placements.get(name)
+        shard = given.get(name)
         if shard is not None:
             index[shard.dim] = shard_indices(index[shard.dim], shard, n, c)
-    return index
+    return tuple(index), grid(index)
 
 
 class AssemblyError(ValueError):
@@ -293,7 +302,8 @@ def assemble(name: str, pieces: dict[int, Piece], layout: MeshLayout, *, every_r
                 f"{name}: rank {rank} reports shape {piece.shape} {piece.placements}, "
                 f"rank {lead} reports {first.shape} {first.placements}"
             )
-        index = piece_index(piece, layout, rank)
+        index, key = _placed(piece.shape, tuple(piece.placements.items()), layout, rank)
+        index = list(index)
         expected = tuple(len(i) for i in index)
         if tuple(piece.tensor.shape) != expected:
             raise AssemblyError(
@@ -301,7 +311,6 @@ def assemble(name: str, pieces: dict[int, Piece], layout: MeshLayout, *, every_r
                 f"its placements {piece.placements} of {piece.shape} call for {expected}"
             )
         index_of[rank] = index
-        key = grid(index)
         held = owner[key]
         seen = held >= 0
         # replicas that agree bitwise, the common case, leave the gap as it is without measuring it
