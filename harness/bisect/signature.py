@@ -13,6 +13,7 @@ A signature is a kind and the tensors that fail:
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from itertools import combinations
 
@@ -38,16 +39,25 @@ class Signature:
         return self.tensors[0] if self.tensors else ""
 
     def holds_in(self, other: "Signature") -> bool:
-        """Does ``other`` fail the way this one does: same kind, and this worst tensor still fails?"""
+        """Does ``other`` fail the way this one does: same kind, and this worst tensor still fails
+        (a result of one step: the same result of any step, as a config of fewer steps has)?"""
         # a scaling is a kind of mismatch: a mismatch found on a bigger config still holds where
         # the smaller one happens to scale by a whole factor; a scaling must stay a scaling
         if other.kind != self.kind and not (self.kind == "mismatch" and other.kind == "scale"):
             return False
-        return not self.tensors or self.worst in other.tensors
+        return not self.tensors or _any_step(self.worst) in {_any_step(t) for t in other.tensors}
 
     def __str__(self) -> str:
         text = self.kind + (f" in {', '.join(self.tensors[:4])}" if self.tensors else "")
         return text + (f" ({self.detail})" if self.detail else "")
+
+
+def _any_step(name: str) -> str:
+    """A result's name without the step it was taken at (``step3/grad/w`` and ``grad/w``: ``grad/w``)."""
+    return _STEP.sub("", name)
+
+
+_STEP = re.compile(r"^step\d+/")
 
 
 def whole_factor(ratio: float, tolerance: float = 0.02) -> int | None:
