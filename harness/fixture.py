@@ -134,7 +134,7 @@ class CellCheck:
             # another machine's run of it does not reach
             # (unless its declaration names the line it must fail with: then that line is found)
             declared = cell.disposition.kind == "xfail"
-            localised = not declared or bool(cell.disposition.known.shows)
+            localised = bool(cell.disposition.known.shows) if declared else not opt("--no-localise")
             outcome = run_cell(cell, pool, golden_dir=None if declared else self.golden_dir,
                                update_golden=opt("--update-golden"),
                                missing_golden="fail" if opt("--strict-golden") else "write", rerun=rerun,
@@ -142,7 +142,9 @@ class CellCheck:
         except Divergence as error:
             record["kind"] = error.kind
             record.update(worst(error.report), **error.record)
-            return str(error) + self._keep(scratch), None
+            unlocalised = "" if localised or error.drift else \
+                "\nnot run again to find where it starts (--no-localise): its reproduce command does"
+            return str(error) + unlocalised + self._keep(scratch), None
         except (CaseFailure, AssemblyError) as error:  # a hang or crash reruns the same way a mismatch does
             vacuous = split_nothing(error) if isinstance(error, CaseFailure) else None
             if vacuous:  # not a crash: the cell has no verdict on its numbers to give

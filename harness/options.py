@@ -57,6 +57,9 @@ def add_options(parser) -> None:
                     help="keep the pool's zygote (torch and third-party libraries imported) alive after the run, "
                          "SECONDS idle (default 900, or $PARITYTEST_KEEP_POOL), and fork the next run's ranks from it (one per "
                          "checkout; checkouts that set the same $PARITYTEST_KEEP_POOL_SCOPE share one)")
+    group.addoption("--no-localise", action="store_true",
+                    help="a failing cell is not run again to find where it starts: a failing run takes about as "
+                         "long as a green one; its reproduce command localises it")
     group.addoption("--stop-pool", action="store_true",
                     help="stop this checkout's kept pools (--keep-pool) and exit")
     group.addoption("--explore", type=int, default=0, metavar="N",

@@ -50,3 +50,13 @@ def test_the_same_project_with_a_bug_in_its_parallelize_fails_naming_the_module(
     assert ("first diverging parameter gradients (step 1, in backward order): 2.bias (module 2: differs over dp "
             "(averaged over dp it matches the reference): its reduction over dp is missing") \
         in flat(done.stdout), done.stdout[-6000:]
+    assert "first diverging module: 2 " in flat(done.stdout), done.stdout[-6000:]  # the rerun with hooks found it
+
+    # without the rerun: the comparison's own line, no module, and how to get it
+    quick = user_project.pytest("tests_model", "-k", "dp2 and not tp2", "--case-deadline", "120", "--no-localise",
+                                env=installed(user_project))
+    assert quick.returncode == 1, quick.tail
+    text = flat(quick.stdout)
+    assert "first diverging parameter gradients (step 1, in backward order): 2.bias (module 2: mismatch" in text, text
+    assert "first diverging module" not in text, text
+    assert "not run again to find where it starts (--no-localise): its reproduce command does" in text, text

@@ -264,7 +264,9 @@ def first_gradients(backward: list[str], report, mesh=(), partial: dict[str, str
     the localisation) says its all-reduce is missing, one whose copies' mean over a dim matches
     (``means``) that its reduction over the dim is; one that is the reference times a group's size
     or one over it says which group, of ``mesh``; "" when every gradient matches."""
-    failing = {row.tensor: row for row in report.failing()}
+    failing: dict = {}
+    for row in report.failing():  # a tensor's own row first, not the row saying its copies differ
+        failing.setdefault(row.tensor, row)
     steps = sorted({name.step or 1 for name in map(parse, failing) if name.kind == "grad"})
     step = steps[0] if steps else 1  # the first step whose gradients diverge
     bad = [(n, failing[step_grad_name(step, n)]) for n in backward if step_grad_name(step, n) in failing]
