@@ -266,7 +266,12 @@ class OwnKeeper(Keeper):
         return message.get("fingerprint") != self.own  # its process's own path, which it was started with
 
     def finish(self, code: int = 0, lock: bool = True) -> None:
+        from . import pooldir
+
         self.control.close()
+        # the last one out: its process may have died between making a pool's directory and handing it
+        # to a run zygote, which would have removed it; nobody else is left to
+        pooldir.sweep()
         os._exit(code)
 
     def serve(self) -> None:
