@@ -182,4 +182,3 @@ def check_golden(outcome: CellOutcome, root: Path, *, update: bool = False, miss
         outcome.moved = outcome.golden.table(only_failing=False)
     write_golden(path, result, metadata(cfg, str(tol), backend))
     outcome.golden_status = "updated" if stored is not None else "written"
-

@@ -153,6 +153,12 @@ _STEP = re.compile(r"step(\d+)/(.*)")
 _LOSS = re.compile(r"loss/step(\d+)")
 
 
+def unstepped(name: str) -> str:
+    """``name`` without the step it was taken at (``step3/grad/w``: ``grad/w``)."""
+    m = _STEP.fullmatch(name)
+    return m.group(2) if m else name
+
+
 def parse(name: str) -> ResultName:
     """The parts of a result name (see the module docstring)."""
     step = None

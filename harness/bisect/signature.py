@@ -13,12 +13,11 @@ A signature is a kind and the tensors that fail:
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from itertools import combinations
 
 from ..compare.diff import Report
-from ..names import DEGREES
+from ..names import DEGREES, unstepped
 
 FAILURES = ("crash", "hang", "nan", "scale", "mismatch", "bad")
 FIT = 0.01  # a scaled tensor is within 1% (bf16 rounding and more) of factor * reference
@@ -45,19 +44,11 @@ class Signature:
         # the smaller one happens to scale by a whole factor; a scaling must stay a scaling
         if other.kind != self.kind and not (self.kind == "mismatch" and other.kind == "scale"):
             return False
-        return not self.tensors or _any_step(self.worst) in {_any_step(t) for t in other.tensors}
+        return not self.tensors or unstepped(self.worst) in {unstepped(t) for t in other.tensors}
 
     def __str__(self) -> str:
         text = self.kind + (f" in {', '.join(self.tensors[:4])}" if self.tensors else "")
         return text + (f" ({self.detail})" if self.detail else "")
-
-
-def _any_step(name: str) -> str:
-    """A result's name without the step it was taken at (``step3/grad/w`` and ``grad/w``: ``grad/w``)."""
-    return _STEP.sub("", name)
-
-
-_STEP = re.compile(r"^step\d+/")
 
 
 def whole_factor(ratio: float, tolerance: float = 0.02) -> int | None:

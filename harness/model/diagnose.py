@@ -259,16 +259,14 @@ def first_gradients(backward: list[str], report, mesh=(), partial: dict[str, str
                     means: dict[str, str] | None = None, most: int = 3) -> str:
     """The parameters whose gradient diverges at the first step where one does, in the order
     backward computes them (``backward``: :func:`backward_order`), each with its module and what is
-    wrong: a
-    gradient the ranks hold as partial sums over a mesh dim (``partial``: gradient name -> dim, from
-    the localisation) says its all-reduce is missing, one whose copies' mean over a dim matches
-    (``means``) that its reduction over the dim is; one that is the reference times a group's size
-    or one over it says which group, of ``mesh``; "" when every gradient matches."""
+    wrong: a gradient the ranks hold as partial sums over a mesh dim (``partial``: gradient name ->
+    dim, from the localisation) says its all-reduce is missing, one whose copies' mean over a dim
+    matches (``means``) that its reduction over the dim is; one that is the reference times a
+    group's size or one over it says which group, of ``mesh``; "" when every gradient matches."""
     failing: dict = {}
     for row in report.failing():  # a tensor's own row first, not the row saying its copies differ
         failing.setdefault(row.tensor, row)
-    steps = sorted({name.step or 1 for name in map(parse, failing) if name.kind == "grad"})
-    step = steps[0] if steps else 1  # the first step whose gradients diverge
+    step = min((name.step or 1 for name in map(parse, failing) if name.kind == "grad"), default=1)
     bad = [(n, failing[step_grad_name(step, n)]) for n in backward if step_grad_name(step, n) in failing]
     if not bad:
         return ""

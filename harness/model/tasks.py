@@ -244,8 +244,9 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 @in_cell
 def reference(case: ModelCase, cfg: Config) -> dict[str, torch.Tensor]:
     """``loss/step<k>``, ``grad/<p>`` (step 1) and ``step<k>/grad/<p>`` (each later step),
-    ``param/<p>`` and ``opt/<state>/<p>`` (after the last step) of the same model on one process in fp64, trained on the whole global batch of every step;
-    ``{NOT_JUDGED: why}`` instead when it draws random numbers (:mod:`harness.model.draws`).
+    ``param/<p>`` and ``opt/<state>/<p>`` (after the last step) of the same model on one process in
+    fp64, trained on the whole global batch of every step; ``{NOT_JUDGED: why}`` instead when it
+    draws random numbers (:mod:`harness.model.draws`).
 
     A model whose fp64 run fails on fp64 is run again with each op that fails on inputs mixing fp32
     and fp64 computed in fp32, as the model asks (:class:`harness.model.train.Fp32Ops`): only such a
