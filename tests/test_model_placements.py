@@ -2,7 +2,9 @@
 import pytest
 
 from harness.cell import Divergence, run_cell
+from harness.layout import Shard
 from harness.model import model_cells, register_model
+from harness.model.placement import declared_placements
 
 register_model("handmlp", "tests.model_handwritten:CASE")
 
@@ -18,3 +20,11 @@ def test_a_row_parallel_layer_without_its_sum_is_red_and_named(cell, rank_pool):
     with pytest.raises(Divergence) as caught:
         run_cell(cell, rank_pool)
     assert "first diverging module: 2 (output, step 1, microbatch 0): its inputs still match" in str(caught.value)
+
+
+@pytest.mark.parametrize("etp, placed", [(2, {"tp": Shard(0)}), (1, {})])
+def test_an_experts_declared_etp_is_tp_where_the_cells_etp_is_tp_and_whole_where_it_is_1(etp, placed):
+    declared = {"*.local_experts.*.fc1.weight": {"etp": Shard(0)}, "*.fc1.weight": {"tp": Shard(1)}}
+    degrees = {"dp": 2, "tp": 2, "etp": etp}
+    assert declared_placements("layers.1.mlp.local_experts.0.fc1.weight", declared, degrees) == placed
+    assert declared_placements("layers.1.mlp.fc1.weight", declared, degrees) == {"tp": Shard(1)}  # the first match

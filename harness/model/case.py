@@ -132,7 +132,9 @@ class ModelCase:
     * ``placements``: for parameters that are plain tensors sharded by hand (Megatron-style), where
       each rank's piece sits: ``{"layers.*.fc1.weight": {"tp": Shard(0)}}`` (fnmatch patterns over
       parameter names, mesh dims as :mod:`harness.names` names them, torch's ``Shard``/``Replicate``;
-      ``harness.layout.Shard`` is accepted too). Plain tensors not named are replicas, and the
+      ``harness.layout.Shard`` is accepted too; the first pattern a name matches decides). A routed
+      expert's weights split over the expert-tensor-parallel ranks name ``etp``: tp's ranks where the
+      cell's ``etp`` switch is tp, whole where it is 1. Plain tensors not named are replicas, and the
       harness checks that every rank holds the same.
     * ``reduction``: the tolerance policy's ``n`` for this model, when the derived one (README,
       Tolerances: the largest Linear fan-in or the tokens the loss averages) does not fit.

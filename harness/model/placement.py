@@ -27,7 +27,11 @@ from ..names import DENSE, FLATTENED
 
 
 def _cell_dims(name: str, degrees: dict[str, int]) -> list[str] | None:
-    """The cell-mesh dims of degree above 1 that a mesh dim named ``name`` spans; None: unknown."""
+    """The cell-mesh dims of degree above 1 that a mesh dim named ``name`` spans; None: unknown.
+    ``etp`` (the ranks each expert's weights are split over) is 1 or tp, over tp's own ranks: it spans
+    tp where ``degrees`` give it above 1, nothing where 1 or not given."""
+    if name == "etp":
+        return ["tp"] if degrees.get("etp", 1) > 1 and degrees.get("tp", 1) > 1 else []
     dims = FLATTENED.get(name, (name,))
     if any(d not in DENSE for d in dims):
         return None
@@ -162,8 +166,9 @@ def load_shards(module: torch.nn.Module, whole: torch.nn.Module, placements: dic
     from ..layout import MeshLayout, take
     from .cell import running
 
-    degrees = running().mesh
-    layout = MeshLayout.of(tuple(degrees.items()))
+    cell = running()
+    layout = MeshLayout.of(tuple(cell.mesh.items()))
+    degrees = cell.mesh | {"etp": int(cell.switches.get("etp", 1))}  # the cell's dims, and what etp declares
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     sources = dict(whole.named_parameters(remove_duplicate=False)) | dict(whole.named_buffers())
     buffers = dict(module.named_buffers())

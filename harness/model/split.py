@@ -174,6 +174,6 @@ def agree(notes: Notes, impl: str) -> None:
 
 
 def degrees_of(spec) -> dict[str, int]:
-    """The dense dims' degrees and the expert mesh's ``ep`` of a cell's :class:`MeshSpec`."""
-    return {d: getattr(spec, d) for d in DENSE} | {"ep": spec.ep}
+    """The dense dims' degrees and the expert mesh's ``ep`` and ``etp`` of a cell's :class:`MeshSpec`."""
+    return {d: getattr(spec, d) for d in DENSE} | {"ep": spec.ep, "etp": spec.etp}
 

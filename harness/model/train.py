@@ -228,7 +228,7 @@ class OnRank(Trainer):
         self.case, self.ctx, self.cfg = case, ctx, cfg
         self.spec = mesh_spec(cfg)
         self.meshes = ctx.meshes_for(self.spec)
-        self.degrees = dict(cfg.mesh)
+        self.degrees = dict(cfg.mesh) | {"etp": self.spec.etp}  # etp: where ModelCase.placements name it
         model = start_model(case, cfg).to(ctx.device)
         self.alias = aliases(model)
         names = mesh_names(case.mesh_names)  # the names parallelize sees (ours -> its)
