@@ -39,17 +39,20 @@ def test_megatrons_own_tp_sp_pipeline_and_expert_parallel_are_green(tmp_path):
         cell("gpt", "dp2.tp2", "sp_off"): "pass", cell("gpt", "dp2.tp2", "sp_on"): "pass",
         cell("gpt", "pp2", "sp_off"): "pass", cell("gpt", "pp2", "sp_off", "interleaved"): "pass",
         # Megatron runs MoE under tp with sequence parallelism only, and its all-to-all dispatcher
-        # with tp not on gloo (NOT_RUN)
+        # with the experts over tp's ranks not on gloo (NOT_RUN)
         # the experts split over tp's ranks (etp=2, Megatron's default) or whole on each (etp=1); with
         # ep=1 and etp=1 Megatron 0.16 leaves their gradients unreduced over tp (KNOWN_EXPERTS_OVER_TP)
         cell("moe", "dp2.tp2", "dispatcher_allgather.ep_1.etp_2.sp_on"): "pass",
         cell("moe", "dp2.tp2", "dispatcher_allgather.ep_1.etp_1.sp_on"): "known",
         cell("moe", "dp2.tp2", "dispatcher_allgather.ep_2.etp_2.sp_on"): "pass",
-        cell("moe", "dp2.tp2", "dispatcher_allgather.ep_2.etp_1.sp_on"): "pass"}, found
+        cell("moe", "dp2.tp2", "dispatcher_allgather.ep_2.etp_1.sp_on"): "pass",
+        cell("moe", "dp2.tp2", "dispatcher_alltoall.ep_1.etp_1.sp_on"): "known",
+        cell("moe", "dp2.tp2", "dispatcher_alltoall.ep_2.etp_1.sp_on"): "pass"}, found
     # what the zoo cannot run here and what it changed for a CPU, each with why, in each report
     table, page = ((tmp_path / "out" / f"zoo.{kind}").read_text() for kind in ("md", "html"))
     not_run, shims = table.split("## Not run here")[-1].split("## CPU shims, none touching the parallel math")
-    assert "| all-to-all dispatcher with tp | gloo has no uneven all_gather," in not_run, table
+    assert "| all-to-all dispatcher with the experts over tp's ranks (etp = tp) | gloo has no uneven all_gather," \
+        in not_run, table
     assert "| moe_utils.te_general_gemm | None: it is defined only by Transformer Engine's import" in shims, table
     assert "<h2>Not run here</h2>" in page and "<td>the causal mask</td>" in page, page[-3000:]
     made = json.loads((tmp_path / "out" / "zoo.json").read_text())
@@ -86,7 +89,8 @@ def test_bugs_planted_in_megatron_are_red_where_they_act_and_named_where_they_st
     assert sorted(red) == sorted([cell("gpt", "tp2", "sp_on"), *pipelines,
                                   cell("moe", "dp2", "dispatcher_allgather.ep_2.sp_off"),
                                   cell("moe", "tp2", "dispatcher_allgather.ep_1.etp_2.sp_on"),
-                                  cell("moe", "tp2", "dispatcher_allgather.ep_1.etp_1.sp_on")]), found
+                                  cell("moe", "tp2", "dispatcher_allgather.ep_1.etp_1.sp_on"),
+                                  cell("moe", "tp2", "dispatcher_alltoall.ep_1.etp_1.sp_on")]), found
     assert all(found[c]["verdict"] == "red" for c in red), found
     # where the plants do not act: tp without SP, data parallel, MoE without tokens crossing ranks
     # (ep 1), and the all-to-all dispatcher, which the plant does not touch
@@ -94,8 +98,8 @@ def test_bugs_planted_in_megatron_are_red_where_they_act_and_named_where_they_st
         cell("gpt", "tp2", "sp_off"), cell("gpt", "dp2", "sp_off"), cell("moe", "dp2", "dispatcher_allgather.ep_1.sp_off"),
         cell("moe", "dp2", "dispatcher_alltoall.ep_1.sp_off"), cell("moe", "dp2", "dispatcher_alltoall.ep_2.sp_off")}, found
     # the known cell (ep 1, etp 1) fails first where the plant acts, not at its declared line: red
-    for sp in (cell("gpt", "tp2", "sp_on"), *(cell("moe", "tp2", f"dispatcher_allgather.ep_1.etp_{etp}.sp_on")
-                                              for etp in (2, 1))):
+    for sp in (cell("gpt", "tp2", "sp_on"), *(cell("moe", "tp2", f"dispatcher_{d}.ep_1.etp_{etp}.sp_on")
+                                              for d, etp in (("allgather", 2), ("allgather", 1), ("alltoall", 1)))):
         assert red[sp].startswith("first diverging module: decoder.final_layernorm (parameter gradients, step 1)") \
             and "partial sums over tp (summed they match the reference): their all-reduce over tp is missing" in red[sp], red[sp]
     assert red[cell("moe", "dp2", "dispatcher_allgather.ep_2.sp_off")].startswith(
@@ -124,7 +128,8 @@ def test_the_known_expert_reduction_bug_is_fixed_by_its_upstream_fix_alone(tmp_p
     found = zoo(tmp_path, "--only", "moe", "--meshes", "tp=2", env=env)
     assert {c: r["verdict"] for c, r in found.items()} == {
         cell("moe", "tp2", "dispatcher_allgather.ep_1.etp_2.sp_on"): "pass",
-        cell("moe", "tp2", "dispatcher_allgather.ep_1.etp_1.sp_on"): "fixed"}, found
+        cell("moe", "tp2", "dispatcher_allgather.ep_1.etp_1.sp_on"): "fixed",
+        cell("moe", "tp2", "dispatcher_alltoall.ep_1.etp_1.sp_on"): "fixed"}, found
 
 
 def test_a_bug_in_a_later_stages_layer_is_named_by_its_place_in_the_whole_model_on_both_schedules(tmp_path):

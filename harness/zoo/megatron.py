@@ -70,7 +70,9 @@ OTHER_RELEASES = {
 }
 # registry models the zoo cannot run here, with why
 NOT_RUN = {
-    "all-to-all dispatcher with tp": "gloo has no uneven all_gather, which it needs where tp splits too",
+    "all-to-all dispatcher with the experts over tp's ranks (etp = tp)": "gloo has no uneven all_gather, which it "
+                                                                         "needs over the experts' tp ranks; with "
+                                                                         "them whole (etp 1) it runs",
     "multi-latent attention, Transformer Engine specs": "they need Transformer Engine (CUDA)",
     "bf16": "Megatron's fp32 main parameters live in its optimizer (Float16Module); not wired yet",
     "expert biases": "an upstream bug: with add_bias_linear an expert's MLP.forward adds its bias in place "
@@ -468,12 +470,24 @@ def name_of(model: str) -> str:
     return "mc" + model
 
 
+def _expert_switches(mesh: str, ep: str) -> list[dict[str, list[str]]]:
+    """An MoE model's expert switches on ``mesh`` with ``ep``: both dispatchers without tp; where tp
+    splits, the allgather one with the experts over tp's ranks (etp = tp) and whole on each (etp 1),
+    and the all-to-all one with them whole alone (over tp's ranks it needs an uneven all_gather, which
+    gloo has not: NOT_RUN)."""
+    tp = dict(dim.split("=") for dim in mesh.split(",")).get("tp")
+    if tp is None:
+        return [{"ep": [ep], "dispatcher": list(DISPATCHERS)}]
+    return [{"ep": [ep], "dispatcher": ["allgather"], "etp": [tp, "1"]},
+            {"ep": [ep], "dispatcher": ["alltoall"], "etp": ["1"]}]
+
+
 def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = PLANS,
               meshes: tuple[str, ...] = MESHES) -> list:
     """Register each model (``only``: these) and return its cells: every plan of ``plans`` on every
     mesh of ``meshes`` (an MoE model: those of :data:`MOE_MESHES`, each with its ep, and where tp
-    splits with the experts' tp both tp's, Megatron's default, and 1), sequence parallel on and off
-    where tp splits, off elsewhere."""
+    splits with the experts' tp both tp's, Megatron's default, and 1: :func:`_expert_switches`),
+    sequence parallel on and off where tp splits, off elsewhere."""
     out = []
     for model in only or CONFIGS:
         if model not in CONFIGS:
@@ -485,12 +499,10 @@ def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = PLANS,
         for mesh, ep in chosen:
             # Megatron refuses MoE under tp without sequence parallelism ("performance may degrade")
             sp = ["on"] if model in MOE and "tp=" in mesh else ["off", "on"] if "tp=" in mesh else ["off"]
-            # the all-to-all dispatcher with tp needs an uneven all_gather, which gloo has not (NOT_RUN)
-            tp = dict(spec.split("=") for spec in mesh.split(",")).get("tp")
-            own = {"ep": [ep], "dispatcher": list(DISPATCHERS[:1] if tp else DISPATCHERS),
-                   **({"etp": [tp, "1"]} if tp else {})} if model in MOE else {}
             sched = list(SCHEDULES) if "pp=" in mesh else list(SCHEDULES[:1])
-            out += model_cells(name_of(model), impls=list(plans), meshes=[mesh], switches={"sched": sched, "sp": sp, **own})
+            for own in _expert_switches(mesh, ep) if model in MOE else [{}]:
+                out += model_cells(name_of(model), impls=list(plans), meshes=[mesh],
+                                   switches={"sched": sched, "sp": sp, **own})
     if not out:
         raise ValueError(f"no cell of {', '.join(only or CONFIGS)} on {'; '.join(meshes)}: the MoE models run "
                          f"{'; '.join(sorted({m[0] for m in MOE_MESHES}))}")
