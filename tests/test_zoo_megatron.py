@@ -47,7 +47,10 @@ def test_megatrons_own_tp_sp_pipeline_and_expert_parallel_are_green(tmp_path):
         cell("moe", "dp2.tp2", "dispatcher_allgather.ep_2.etp_2.sp_on"): "pass",
         cell("moe", "dp2.tp2", "dispatcher_allgather.ep_2.etp_1.sp_on"): "pass",
         cell("moe", "dp2.tp2", "dispatcher_alltoall.ep_1.etp_1.sp_on"): "known",
-        cell("moe", "dp2.tp2", "dispatcher_alltoall.ep_2.etp_1.sp_on"): "pass"}, found
+        cell("moe", "dp2.tp2", "dispatcher_alltoall.ep_2.etp_1.sp_on"): "pass",
+        # ep borrowing tp's ranks too, the experts whole (etp 1): every rank its own experts
+        cell("moe", "dp2.tp2", "dispatcher_allgather.ep_4.etp_1.sp_on"): "pass",
+        cell("moe", "dp2.tp2", "dispatcher_alltoall.ep_4.etp_1.sp_on"): "pass"}, found
     # what the zoo cannot run here and what it changed for a CPU, each with why, in each report
     table, page = ((tmp_path / "out" / f"zoo.{kind}").read_text() for kind in ("md", "html"))
     not_run, shims = table.split("## Not run here")[-1].split("## CPU shims, none touching the parallel math")
@@ -90,7 +93,9 @@ def test_bugs_planted_in_megatron_are_red_where_they_act_and_named_where_they_st
                                   cell("moe", "dp2", "dispatcher_allgather.ep_2.sp_off"),
                                   cell("moe", "tp2", "dispatcher_allgather.ep_1.etp_2.sp_on"),
                                   cell("moe", "tp2", "dispatcher_allgather.ep_1.etp_1.sp_on"),
-                                  cell("moe", "tp2", "dispatcher_alltoall.ep_1.etp_1.sp_on")]), found
+                                  cell("moe", "tp2", "dispatcher_alltoall.ep_1.etp_1.sp_on"),
+                                  cell("moe", "tp2", "dispatcher_allgather.ep_2.etp_1.sp_on"),
+                                  cell("moe", "tp2", "dispatcher_alltoall.ep_2.etp_1.sp_on")]), found
     assert all(found[c]["verdict"] == "red" for c in red), found
     # where the plants do not act: tp without SP, data parallel, MoE without tokens crossing ranks
     # (ep 1), and the all-to-all dispatcher, which the plant does not touch
@@ -98,8 +103,9 @@ def test_bugs_planted_in_megatron_are_red_where_they_act_and_named_where_they_st
         cell("gpt", "tp2", "sp_off"), cell("gpt", "dp2", "sp_off"), cell("moe", "dp2", "dispatcher_allgather.ep_1.sp_off"),
         cell("moe", "dp2", "dispatcher_alltoall.ep_1.sp_off"), cell("moe", "dp2", "dispatcher_alltoall.ep_2.sp_off")}, found
     # the known cell (ep 1, etp 1) fails first where the plant acts, not at its declared line: red
-    for sp in (cell("gpt", "tp2", "sp_on"), *(cell("moe", "tp2", f"dispatcher_{d}.ep_1.etp_{etp}.sp_on")
-                                              for d, etp in (("allgather", 2), ("allgather", 1), ("alltoall", 1)))):
+    for sp in (cell("gpt", "tp2", "sp_on"), *(cell("moe", "tp2", f"dispatcher_{d}.ep_{ep}.etp_{etp}.sp_on") for d, ep, etp
+                                              in (("allgather", 1, 2), ("allgather", 1, 1), ("alltoall", 1, 1),
+                                                  ("allgather", 2, 1), ("alltoall", 2, 1)))):
         assert red[sp].startswith("first diverging module: decoder.final_layernorm (parameter gradients, step 1)") \
             and "partial sums over tp (summed they match the reference): their all-reduce over tp is missing" in red[sp], red[sp]
     assert red[cell("moe", "dp2", "dispatcher_allgather.ep_2.sp_off")].startswith(

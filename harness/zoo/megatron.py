@@ -248,8 +248,10 @@ CONFIGS = {
 MOE = ("moe", "moeshared")
 DEGREES = ("1", "2", "4")  # the MoE models' expert degrees (their ``ep`` and ``etp`` switches)
 DISPATCHERS = ("allgather", "alltoall")  # the MoE models' token dispatchers (their ``dispatcher`` switch)
-# the MoE models' meshes: (mesh, ep), ep borrowed from the data ranks as Megatron borrows it
-MOE_MESHES = (("pp=2,dp=2", "2"), ("dp=2", "1"), ("dp=2", "2"), ("dp=4", "4"), ("dp=4", "2"), ("dp=2,tp=2", "1"), ("dp=2,tp=2", "2"), ("tp=2", "1"))
+# the MoE models' meshes: (mesh, ep), ep borrowed from the data ranks as Megatron borrows it, and past them
+# from tp's (tp=2 ep=2, dp=2,tp=2 ep=4) with the experts whole on each rank (etp 1: _expert_switches)
+MOE_MESHES = (("pp=2,dp=2", "2"), ("dp=2", "1"), ("dp=2", "2"), ("dp=4", "4"), ("dp=4", "2"), ("dp=2,tp=2", "1"),
+              ("dp=2,tp=2", "2"), ("dp=2,tp=2", "4"), ("tp=2", "1"), ("tp=2", "2"))
 
 
 # Megatron-Core bugs the zoo found, by the release series that have them: their cells run as strict
@@ -475,10 +477,14 @@ def _expert_switches(mesh: str, ep: str) -> list[dict[str, list[str]]]:
     splits, the allgather one with the experts over tp's ranks (etp = tp) and whole on each (etp 1),
     and the all-to-all one with them whole alone (over tp's ranks it needs an uneven all_gather, which
     gloo has not: NOT_RUN)."""
-    tp = dict(dim.split("=") for dim in mesh.split(",")).get("tp")
-    if tp is None:
+    degrees = {dim: int(n) for dim, n in (d.split("=") for d in mesh.split(","))}
+    if "tp" not in degrees:
         return [{"ep": [ep], "dispatcher": list(DISPATCHERS)}]
-    return [{"ep": [ep], "dispatcher": ["allgather"], "etp": [tp, "1"]},
+    # the experts' block (ep x etp) is the dense dp x tp ranks cut otherwise: an etp whose ep does not fit is
+    # not a mesh (ep above dp borrows tp's ranks: etp 1)
+    block, tp = degrees.get("dp", 1) * degrees["tp"], degrees["tp"]
+    etps = [str(etp) for etp in (tp, 1) if block % (int(ep) * etp) == 0]
+    return [{"ep": [ep], "dispatcher": ["allgather"], "etp": etps},
             {"ep": [ep], "dispatcher": ["alltoall"], "etp": ["1"]}]
 
 
