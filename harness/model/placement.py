@@ -31,7 +31,7 @@ def _cell_dims(name: str, degrees: dict[str, int]) -> list[str] | None:
     ``etp`` (the ranks each expert's weights are split over) is 1 or tp, over tp's own ranks: it spans
     tp where ``degrees`` give it above 1, nothing where 1 or not given."""
     if name == "etp":
-        return ["tp"] if degrees.get("etp", 1) > 1 and degrees.get("tp", 1) > 1 else []
+        return ["tp"] if degrees.get("etp", 1) > 1 else []
     dims = FLATTENED.get(name, (name,))
     if any(d not in DENSE for d in dims):
         return None

@@ -228,7 +228,7 @@ class OnRank(Trainer):
         self.case, self.ctx, self.cfg = case, ctx, cfg
         self.spec = mesh_spec(cfg)
         self.meshes = ctx.meshes_for(self.spec)
-        self.degrees = dict(cfg.mesh) | {"etp": self.spec.etp}  # etp: where ModelCase.placements name it
+        self.degrees = degrees_of(self.spec)
         model = start_model(case, cfg).to(ctx.device)
         self.alias = aliases(model)
         names = mesh_names(case.mesh_names)  # the names parallelize sees (ours -> its)
@@ -251,7 +251,7 @@ class OnRank(Trainer):
 
     def _notes(self, watched: Watched) -> Notes:
         """What split each dim here (:mod:`harness.model.split`)."""
-        notes = Notes(self.cfg, self.case, degrees_of(self.spec), self.ours)
+        notes = Notes(self.cfg, self.case, self.degrees, self.ours)
         if self.pipelined is not None or (self.spec.pp > 1 and self._holds_part()):
             notes.split.add("pp")
         if watched.reached:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from harness.known import Known
 from harness.layout import Shard
+from harness.matrix import mesh as mesh_dims
 from harness.model import ModelCase, Parallelized, load_shards, model_cells, running, switches
 from harness.model.register import model_component
 from harness.registry import register_component
@@ -246,7 +247,7 @@ CONFIGS = {
                       moe_router_score_function="sigmoid", moe_router_topk=1, moe_router_enable_expert_bias=False),
 }
 MOE = ("moe", "moeshared")
-DEGREES = ("1", "2", "4")  # the MoE models' expert degrees (their ``ep`` and ``etp`` switches)
+EXPERT_DEGREES = ("1", "2", "4")  # the MoE models' ``ep`` and ``etp`` switches
 DISPATCHERS = ("allgather", "alltoall")  # the MoE models' token dispatchers (their ``dispatcher`` switch)
 # the MoE models' meshes: (mesh, ep), ep borrowed from the data ranks as Megatron borrows it, and past them
 # from tp's (tp=2 ep=2, dp=2,tp=2 ep=4) with the experts whole on each rank (etp 1: _expert_switches)
@@ -463,7 +464,7 @@ def case(model: str) -> ModelCase:
     return ModelCase(build=lambda: _build(model), batch=batch, loss=loss, forward=forward,
                      parallelize={plan: _parallelize(model) for plan in PLANS}, placements=PLACEMENTS,
                      switches={"sched": SCHEDULES, "sp": ("off", "on"),
-                               **({"ep": DEGREES, "etp": DEGREES, "dispatcher": DISPATCHERS} if moe else {})},
+                               **({"ep": EXPERT_DEGREES, "etp": EXPERT_DEGREES, "dispatcher": DISPATCHERS} if moe else {})},
                      acts_with={"sp": ("tp",), "sched": ("pp",)}, judge_plain_activations=False,
                      xfail={plan: _known for plan in PLANS} if moe else {})
 
@@ -477,7 +478,7 @@ def _expert_switches(mesh: str, ep: str) -> list[dict[str, list[str]]]:
     splits, the allgather one with the experts over tp's ranks (etp = tp) and whole on each (etp 1),
     and the all-to-all one with them whole alone (over tp's ranks it needs an uneven all_gather, which
     gloo has not: NOT_RUN)."""
-    degrees = {dim: int(n) for dim, n in (d.split("=") for d in mesh.split(","))}
+    degrees = dict(mesh_dims(mesh))
     if "tp" not in degrees:
         return [{"ep": [ep], "dispatcher": list(DISPATCHERS)}]
     # the experts' block (ep x etp) is the dense dp x tp ranks cut otherwise: an etp whose ep does not fit is
