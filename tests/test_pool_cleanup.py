@@ -195,31 +195,34 @@ def test_sweep_removes_only_the_directories_no_live_process_holds(tmp_path):
 
 START_POOL = """
 import json, sys
+from harness.pool import kept
 from harness.pool.parent import Pool
 pool = Pool(size=2)
 pool.start()
-print(json.dumps([pool.pids, pool._tmp]), flush=True)
+print(json.dumps([pool.pids, pool._tmp, kept.fork_server()._proc.pid]), flush=True)
 sys.stdin.readline()
 """
 
 
 def test_a_new_pool_removes_what_a_pool_killed_all_at_once_left_and_keeps_a_live_pool(tmp_path):
-    """SIGKILL of the parent, the zygote and the ranks together: nobody is left to remove the
-    directory, so the next pool started in that temporary directory does; a live pool's stays."""
+    """SIGKILL of the parent, its keeper, the zygote and the ranks together: nobody is left to remove
+    the directory, so the next pool started in that temporary directory does; a live pool's stays."""
     first = _python(START_POOL, tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     live = _python(START_POOL, tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
-        (zygote, *ranks), killed = json.loads(first.stdout.readline())
-        _, live_dir = json.loads(live.stdout.readline())
+        (zygote, *ranks), killed, keeper = json.loads(first.stdout.readline())
+        _, live_dir, _ = json.loads(live.stdout.readline())
         os.killpg(zygote, signal.SIGKILL)  # the zygote and its ranks: their own session
+        os.kill(keeper, signal.SIGKILL)  # else it is the last one out, and sweeps as it ends
         first.kill()
         first.wait(timeout=60)
-        assert wait_until(lambda: [p for p in [zygote, *ranks] if _stat(p) and _stat(p)[0] != "Z"], 30) == []
+        gone = [zygote, *ranks, keeper]
+        assert wait_until(lambda: [p for p in gone if _stat(p) and _stat(p)[0] != "Z"], 30) == []
         time.sleep(1)
         assert Path(killed).is_dir()  # nobody could remove it (the situation swept below)
 
         nxt = _python(START_POOL, tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        _, new_dir = json.loads(nxt.stdout.readline())
+        _, new_dir, _ = json.loads(nxt.stdout.readline())
         assert not Path(killed).exists(), f"the next pool left {killed} in place"
         assert Path(live_dir).is_dir() and Path(new_dir).is_dir()
         for p in (nxt, live):  # normal exits take their own directories
