@@ -51,7 +51,10 @@ def test_megatrons_own_tp_sp_pipeline_and_expert_parallel_are_green(tmp_path):
         # ep borrowing tp's ranks too, the experts whole (etp 1): every rank its own experts
         cell("moe", "dp2.tp2", "dispatcher_allgather.ep_4.etp_1.sp_on"): "pass",
         cell("moe", "dp2.tp2", "dispatcher_alltoall.ep_4.etp_1.sp_on"): "pass"}, found
-    # what the zoo cannot run here and what it changed for a CPU, each with why, in each report
+    # a known cell's reproduction: the zoo's command, then the torch-and-megatron-core-only script
+    assert found[cell("moe", "dp2.tp2", "dispatcher_alltoall.ep_1.etp_1.sp_on")]["reproduce"] == (
+        "python -m harness.zoo megatron --only moe --plans ddp --meshes 'dp=2,tp=2'; "
+        "torchrun --nproc-per-node 2 docs/megatron_repro.py --etp 1"), found
     table, page = ((tmp_path / "out" / f"zoo.{kind}").read_text() for kind in ("md", "html"))
     not_run, shims = table.split("## Not run here")[-1].split("## CPU shims, none touching the parallel math")
     assert "| all-to-all dispatcher with the experts over tp's ranks (etp = tp) | gloo has no uneven all_gather," \
@@ -117,13 +120,29 @@ def test_bugs_planted_in_megatron_are_red_where_they_act_and_named_where_they_st
     assert "output_layer: mismatch, norm ratio 4: the reference x 4 = microbatches" in failures, failures[-3000:]
 
 
+def repro(cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    """docs/megatron_repro.py under torchrun on 2 ranks, as docs/zoo.md gives it."""
+    from tests.conftest import ROOT
+
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(Path(ROOT) / "docs" / "megatron_repro.py")], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
 def test_the_known_expert_reduction_bug_is_fixed_by_its_upstream_fix_alone(tmp_path):
     """Megatron-Core 0.16's local expert layers look at ep > 1 alone to take the expert process groups:
     with ep=1 and etp=1 under tp=2 their gradients are reduced over dp only. The cell is known, held to
     the experts' line; with the fix of NVIDIA/Megatron-LM#5916 (0.19.0) applied to a copy of the
-    installed release, and nothing else, it passes and is reported fixed."""
+    installed release, and nothing else, it passes and is reported fixed. The maintainers'
+    reproduction in the docs (torch and megatron-core only) shows it on the release and not with the fix."""
     import megatron.core
 
+    done = repro(tmp_path, env_for(tmp_path))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "ep=1, etp=1: 23 parameters held whole on every tp rank" in done.stdout, done.stdout
+    wrong = [line for line in done.stdout.splitlines() if line.endswith("its all-reduce over tp is missing")]
+    # every routed expert's two weights of both layers, and nothing else (the norms and routers are reduced)
+    assert len(wrong) == 16 and all(".mlp.experts.local_experts." in line for line in wrong), done.stdout
     shutil.copytree(Path(megatron.core.__file__).parents[1], tmp_path / "planted" / "megatron")
     path = tmp_path / "planted" / "megatron" / "core" / "tensor_parallel" / "layers.py"
     unfixed = "not (self.is_expert and self.expert_parallel)"
@@ -139,6 +158,9 @@ def test_the_known_expert_reduction_bug_is_fixed_by_its_upstream_fix_alone(tmp_p
         # ep over tp's ranks takes the expert groups with or without the fix
         cell("moe", "tp2", "dispatcher_allgather.ep_2.etp_1.sp_on"): "pass",
         cell("moe", "tp2", "dispatcher_alltoall.ep_2.etp_1.sp_on"): "pass"}, found
+    done = repro(tmp_path, env)
+    assert done.returncode == 0 and "every one's gradient is the same on each tp rank" in done.stdout, \
+        done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def test_a_bug_in_a_later_stages_layer_is_named_by_its_place_in_the_whole_model_on_both_schedules(tmp_path):

@@ -133,7 +133,8 @@ def _imports(args) -> tuple[str, ...]:
 def reproduce(library: str, cell: str, model: str, imports: tuple[str, ...] = ()) -> str:
     """The command that runs a cell again: its model and plan through the zoo (and its mesh, for
     torchtitan's; the modules it was told to import, for transformers'); for a transformers ``tpauto``
-    cell, also the torch-and-transformers-only script."""
+    cell, also the torch-and-transformers-only script, and for a Megatron-Core MoE cell under tp with
+    ep 1 the torch-and-megatron-core-only one."""
     from harness.config import Config
 
     cfg = Config.parse(cell)
@@ -144,6 +145,9 @@ def reproduce(library: str, cell: str, model: str, imports: tuple[str, ...] = ()
         command += f" --meshes '{','.join(f'{d}={n}' for d, n in cfg.mesh)}'"
     if library == "transformers" and cfg.impl == "tpauto":
         command += f"; torchrun --nproc-per-node {cfg.degree('tp')} docs/zoo_repro.py {model}"
+    switched = dict(cfg.switches)
+    if library == "megatron" and "etp" in switched and switched.get("ep") == "1":  # an MoE model under tp
+        command += f"; torchrun --nproc-per-node {cfg.degree('tp')} docs/megatron_repro.py --etp {switched['etp']}"
     return command
 
 
