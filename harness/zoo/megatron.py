@@ -80,7 +80,13 @@ NOT_RUN = {
                      "(output += output_bias * per_token_scale, megatron/core/transformer/mlp.py) to linear_fc2's "
                      "output, a view _ReduceFromModelParallelRegion returns: autograd refuses it, on one process "
                      "too and on any device (the local spec's experts)",
-    "vocabularies that do not divide tp": "GPTModel refuses them; the padding to a multiple is megatron.training's",
+    "vocabularies that do not divide tp": "GPTModel refuses them. megatron.training pads one to a multiple of "
+                                          "make_vocab_size_divisible_by x tp, and its pad logits join the softmax: "
+                                          "with the default divisor (128) each tp pads to another size (256 at tp=2, "
+                                          "128 on one GPU), another model whose loss differs from one GPU's by "
+                                          "design (the trackers' 'TP=2 loss diverging'), not a parallelism bug; with "
+                                          "a divisor where every tp pads alike it is a model with unused rows, as "
+                                          "the tp cells' vocabulary of 64 already runs",
     **{f"megatron-core {release}, the release before": why for release, why in OTHER_RELEASES.items()},
 }
 # what the zoo changes for a CPU, each with why; none touches the parallel math
