@@ -28,16 +28,23 @@ def zoo(cwd: Path, *args, env=None) -> dict:
     return {r["cell"]: r for r in found["cells"]}
 
 
-def cell(model: str, mesh: str, switches: str, sched: str = "1f1b") -> str:
+def cell(model: str, mesh: str, switches: str, sched: str = "1f1b", dtype: str = "fp32") -> str:
     """A zoo cell's id: ``switches`` without the pipeline schedule's, which is ``sched``."""
-    return f"mc{model}-ddp-{mesh}-fp32-{'.'.join(sorted([*switches.split('.'), f'sched_{sched}']))}-steps3-seed0"
+    return f"mc{model}-ddp-{mesh}-{dtype}-{'.'.join(sorted([*switches.split('.'), f'sched_{sched}']))}-steps3-seed0"
+
+
+def bf16_and_fp32(model: str, mesh: str) -> list[str]:
+    """The cells of a mesh of BF16_MESHES with sequence parallel off and on: both schedules, both dtypes."""
+    return [cell(model, mesh, f"sp_{sp}", sched, dtype) for sp in ("off", "on") for sched in ("1f1b", "interleaved")
+            for dtype in ("fp32", "bf16")]
 
 
 def test_megatrons_own_tp_sp_pipeline_and_expert_parallel_are_green(tmp_path):
-    found = zoo(tmp_path, "--only", "gpt,moe", "--meshes", "dp=2,tp=2;pp=2")
+    found = zoo(tmp_path, "--only", "gpt,moe", "--meshes", "dp=2,tp=2;pp=2,tp=2")
     assert {c: r["verdict"] for c, r in found.items()} == {
         cell("gpt", "dp2.tp2", "sp_off"): "pass", cell("gpt", "dp2.tp2", "sp_on"): "pass",
-        cell("gpt", "pp2", "sp_off"): "pass", cell("gpt", "pp2", "sp_off", "interleaved"): "pass",
+        # pipeline, tp and sequence parallel in fp32 and bf16 (the model in bf16 on fp32 main parameters)
+        **{c: "pass" for c in bf16_and_fp32("gpt", "pp2.tp2")},
         # Megatron runs MoE under tp with sequence parallelism only, and its all-to-all dispatcher
         # with the experts over tp's ranks not on gloo (NOT_RUN)
         # the experts split over tp's ranks (etp=2, Megatron's default) or whole on each (etp=1); with
@@ -184,6 +191,26 @@ def test_a_bug_in_a_later_stages_layer_is_named_by_its_place_in_the_whole_model_
         why = found[cell("gpt", "pp2", "sp_off", sched)]["why"]
         assert why.startswith("first diverging module: decoder.layers.1.mlp.linear_fc2 (parameter gradients, step 1)"), \
             (sched, why)
+
+
+def test_bf16_cells_are_judged_on_the_fp32_main_parameters_the_optimizer_steps(tmp_path):
+    """A bf16 cell trains as Megatron's --bf16 does: the model in bf16, gradients reduced in fp32 into
+    fp32 main parameters, which the harness steps and judges, copied into the model after each step
+    (Parallelized.after_step). Planted in a throwaway copy of the tree: the copy left out, so the
+    model keeps its start while its main parameters move. The bf16 cells are red from step 2's
+    gradients on, where the model's stale weights act first; the fp32 cells, which keep none, pass."""
+    from tests.checkout import copy_checkout
+
+    tree = copy_checkout(tmp_path / "tree")
+    glue = tree / "harness" / "zoo" / "megatron.py"
+    copy = "                    p.copy_(mains[name])\n"
+    assert glue.read_text().count(copy) == 1
+    glue.write_text(glue.read_text().replace(copy, "                    pass  # planted\n"))
+    found = zoo(tmp_path, "--only", "gpt", "--meshes", "pp=2,tp=2", env=dict(env_for(tmp_path), PYTHONPATH=str(tree)))
+    assert {c: r["verdict"] for c, r in found.items()} == {
+        c: "red" if "-bf16-" in c else "pass" for c in bf16_and_fp32("gpt", "pp2.tp2")}, found
+    failures = " ".join((tmp_path / "out" / "junit.xml").read_text().split())
+    assert failures.count("first diverging parameter gradients (step 2, in backward order)") == 4, failures[-3000:]
 
 
 def test_without_megatron_core_the_zoo_says_how_to_install_it(tmp_path):

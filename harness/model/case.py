@@ -92,12 +92,19 @@ class Parallelized:
     parameters a rank names locally (Megatron's ``local_experts.<i>`` on expert-parallel rank ``r``
     is expert ``r * n_local + i`` of the whole model). A name held by some ranks only is judged where
     it is held: the ranks that hold it must be those of some coordinates of the cell's mesh dims.
+    ``main_params``: where the trainer keeps fp32 main parameters for a model whose own are in the
+    cell's low dtype (Megatron's mixed-precision optimizer), those tensors by the module's parameter
+    names: the harness steps, reads and judges them in place of the module's (``before_step`` puts
+    their gradients in their ``.grad``). ``after_step``: called on every rank after each optimizer
+    step, where the trainer copies them into the model.
     """
 
     module: nn.Module
     step: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None
     before_step: Callable[[], None] | None = None
     global_name: Callable[[str], str] | None = None
+    main_params: dict[str, torch.Tensor] | None = None
+    after_step: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,9 @@ class Trainer:
     def before_optimizer(self) -> None:
         """Between backward and the optimizer step."""
 
+    def after_optimizer(self) -> None:
+        """After the optimizer step."""
+
     def train(self, steps: range, gradients: Callable[[int, dict[str, torch.Tensor]], None] | None = None
               ) -> dict[str, torch.Tensor]:
         """Take ``steps`` (0-based); each step's loss by name. ``gradients`` is handed each step's
@@ -127,6 +130,7 @@ class Trainer:
                 gradients(step + 1, gradients_of(self.params, step + 1))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            self.after_optimizer()
         return losses
 
 
@@ -298,6 +302,7 @@ class OnRank(Trainer):
         visits them in the same order: the fallback gather is a collective)."""
         seen, out = set(), []
         rename = self.made.global_name if self.local_names else None
+        mains = self.made.main_params if self.made is not None else None
         for module in self.modules:
             for local, p in module.named_parameters(remove_duplicate=False):
                 if id(p) in seen:
@@ -311,7 +316,10 @@ class OnRank(Trainer):
                                    "in place), or map a rank's own names with Parallelized(global_name=...)")
                 if name != local:  # parameters split over ranks by name: the expert mesh's way
                     self.notes.split.add("ep")
-                out.append((self.alias[name], p))
+                if mains is not None and local not in mains:
+                    raise KeyError(f"parallelize[{self.cfg.impl!r}] returned Parallelized(main_params=...) without "
+                                   f"{local!r}: give every parameter of the module its main parameter")
+                out.append((self.alias[name], mains[local] if mains is not None else p))
         return sorted(out, key=lambda item: item[0])
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
@@ -372,6 +380,10 @@ class OnRank(Trainer):
         made = self.pipelined or self.made
         if made.before_step:
             made.before_step()
+
+    def after_optimizer(self) -> None:
+        if self.made is not None and self.made.after_step:
+            self.made.after_step()
 
 
 def _loss_parallel():

@@ -48,6 +48,9 @@ MICROBATCHES = 4
 SCHEDULES = ("1f1b", "interleaved")
 VIRTUAL = 2
 MESHES = ("tp=2", "dp=2", "dp=2,tp=2", "tp=4", "dp=4", "pp=2", "pp=2,dp=2", "pp=2,tp=2")
+# the meshes whose cells run in bf16 too (the dense models' pp=2,tp=2: tp, sequence parallel and the
+# pipeline's bf16 activations; the MoE models' pp=2,dp=2: ep and the pipeline), beside fp32
+BF16_MESHES = ("pp=2,tp=2", "pp=2,dp=2")
 # where a sharded GPTModel's layers keep their pieces of the whole model's tensors, over tp, and a
 # routed expert's over the expert-tensor-parallel ranks (etp: tp's own when the cell's etp is tp, whole
 # on every rank when it is 1): the column-parallel layers on dim 0 (fc1 as [gate; up] of each rank's
@@ -75,7 +78,8 @@ NOT_RUN = {
                                                                          "needs over the experts' tp ranks; with "
                                                                          "them whole (etp 1) it runs",
     "multi-latent attention, Transformer Engine specs": "they need Transformer Engine (CUDA)",
-    "bf16": "Megatron's fp32 main parameters live in its optimizer (Float16Module); not wired yet",
+    "bf16 on the other meshes": "BF16_MESHES: the dense models' pp=2,tp=2 and the MoE models' pp=2,dp=2 run "
+                                "it, to keep the zoo's time",
     "expert biases": "an upstream bug: with add_bias_linear an expert's MLP.forward adds its bias in place "
                      "(output += output_bias * per_token_scale, megatron/core/transformer/mlp.py) to linear_fc2's "
                      "output, a view _ReduceFromModelParallelRegion returns: autograd refuses it, on one process "
@@ -349,8 +353,8 @@ def forward(model, batch):
     b, s = batch["input"].shape
     if model.pg_collection.tp.size() > 1:
         return model(batch["input"], *_positions(b, s), labels=batch["target"])
-    logits = model(batch["input"], *_positions(b, s))
-    return F.cross_entropy(logits.flatten(0, 1), batch["target"].flatten(), reduction="none").view(b, s)
+    logits = model(batch["input"], *_positions(b, s))  # in fp32, as vocab_parallel_cross_entropy takes them
+    return F.cross_entropy(logits.float().flatten(0, 1), batch["target"].flatten(), reduction="none").view(b, s)
 
 
 def _positions(b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,6 +385,9 @@ def _parallelize(model_name: str):
                                                  expert_tensor_parallel_size=etp,
                                                  pipeline_model_parallel_size=pp,
                                                  virtual_pipeline_model_parallel_size=vp)
+        # a bf16 cell as Megatron's --bf16 trains: the model in bf16 and its gradients reduced in fp32
+        # (grad_reduce_in_fp32) into fp32 main parameters, which the harness's optimizer steps
+        low = cell.dtype != torch.float32
         config = _config(model_name, tp, ep, sp=switches()["sp"] == "on", pp=pp, vp=vp, etp=etp)
         experts = parallel_state.get_expert_model_parallel_rank() * (SIZES["experts"] // ep)
         # a model chunk a virtual stage (one, without the interleaved schedule), each its own GPTModel
@@ -393,19 +400,35 @@ def _parallelize(model_name: str):
         gpt = chunks[0] if vp is None else torch.nn.ModuleList(chunks)
         global_name = _global_names(offsets[0], experts) if vp is None else _chunk_names(offsets, experts)
         load_shards(gpt, whole, PLACEMENTS, global_name)
+        # the fp32 main parameters hold the seeded start exactly, as after loading a checkpoint that saved them;
+        # then the model in bf16, as Megatron's Float16Module casts it, and the config every module shares
+        # as --bf16 sets it
+        mains = {name: p.detach().clone() for name, p in gpt.named_parameters()} if low else None
+        if low:
+            gpt.to(cell.dtype)
+            config.params_dtype = config.pipeline_dtype = cell.dtype
+            config.bf16 = cell.dtype == torch.bfloat16
         ddps = [DistributedDataParallel(config=config, module=chunk, ddp_config=DistributedDataParallelConfig(
-            overlap_grad_reduce=False, use_distributed_optimizer=False)) for chunk in chunks]
+            overlap_grad_reduce=False, use_distributed_optimizer=False, grad_reduce_in_fp32=True))
+            for chunk in chunks]
+        into = mains or dict(gpt.named_parameters())
 
         def before_step():
             finalize_model_grads(ddps)
-            for p in gpt.parameters():
-                p.grad = p.main_grad.clone()
+            for name, p in gpt.named_parameters():
+                into[name].grad = p.main_grad.clone()
             for ddp in ddps:
                 ddp.zero_grad_buffer()
 
+        def after_step():  # the main parameters into the model, as Megatron's optimizer copies them
+            with torch.no_grad():
+                for name, p in gpt.named_parameters():
+                    p.copy_(mains[name])
+
         # a rank names its local experts and its stage's layers locally: held by some ranks only
         return Parallelized(gpt, step=_pipeline(ddps) if pp > 1 else None, before_step=before_step,
-                            global_name=global_name if ep > 1 or pp > 1 else None)
+                            global_name=global_name if ep > 1 or pp > 1 else None, main_params=mains,
+                            after_step=after_step if low else None)
     return parallelize
 
 
@@ -472,6 +495,7 @@ def case(model: str) -> ModelCase:
                      switches={"sched": SCHEDULES, "sp": ("off", "on"),
                                **({"ep": EXPERT_DEGREES, "etp": EXPERT_DEGREES, "dispatcher": DISPATCHERS} if moe else {})},
                      acts_with={"sp": ("tp",), "sched": ("pp",)}, judge_plain_activations=False,
+                     mixed_precision="params",  # fp32 main parameters, the model in bf16: parallelize sets it
                      xfail={plan: _known for plan in PLANS} if moe else {})
 
 
@@ -515,6 +539,7 @@ def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = PLANS,
             sched = list(SCHEDULES) if "pp=" in mesh else list(SCHEDULES[:1])
             for own in _expert_switches(mesh, ep) if model in MOE else [{}]:
                 out += model_cells(name_of(model), impls=list(plans), meshes=[mesh],
+                                   dtypes=["fp32", "bf16"] if mesh in BF16_MESHES else ["fp32"],
                                    switches={"sched": sched, "sp": sp, **own})
     if not out:
         raise ValueError(f"no cell of {', '.join(only or CONFIGS)} on {'; '.join(meshes)}: the MoE models run "
