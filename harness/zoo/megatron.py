@@ -408,6 +408,8 @@ def _parallelize(model_name: str):
             gpt.to(cell.dtype)
             config.params_dtype = config.pipeline_dtype = cell.dtype
             config.bf16 = cell.dtype == torch.bfloat16
+            if model_name in MOE:  # routing and the experts' weighted sum in fp32: Megatron's advice for bf16 MoE
+                config.moe_router_dtype = "fp32"
         ddps = [DistributedDataParallel(config=config, module=chunk, ddp_config=DistributedDataParallelConfig(
             overlap_grad_reduce=False, use_distributed_optimizer=False, grad_reduce_in_fp32=True))
             for chunk in chunks]
