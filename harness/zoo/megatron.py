@@ -48,8 +48,8 @@ MICROBATCHES = 4
 SCHEDULES = ("1f1b", "interleaved")
 VIRTUAL = 2
 MESHES = ("tp=2", "dp=2", "dp=2,tp=2", "tp=4", "dp=4", "pp=2", "pp=2,dp=2", "pp=2,tp=2")
-# the meshes whose cells run in bf16 too (the dense models' pp=2,tp=2: tp, sequence parallel and the
-# pipeline's bf16 activations; the MoE models' pp=2,dp=2: ep and the pipeline), beside fp32
+# the meshes whose cells run in bf16 too, beside fp32: pp=2,tp=2 (the dense models': tp, sequence parallel
+# and the pipeline's bf16 activations) and pp=2,dp=2 (every model's: dp, the MoE models' ep, the pipeline)
 BF16_MESHES = ("pp=2,tp=2", "pp=2,dp=2")
 # where a sharded GPTModel's layers keep their pieces of the whole model's tensors, over tp, and a
 # routed expert's over the expert-tensor-parallel ranks (etp: tp's own when the cell's etp is tp, whole
@@ -78,8 +78,8 @@ NOT_RUN = {
                                                                          "needs over the experts' tp ranks; with "
                                                                          "them whole (etp 1) it runs",
     "multi-latent attention, Transformer Engine specs": "they need Transformer Engine (CUDA)",
-    "bf16 on the other meshes": "BF16_MESHES: the dense models' pp=2,tp=2 and the MoE models' pp=2,dp=2 run "
-                                "it, to keep the zoo's time",
+    "bf16 on the other meshes": "BF16_MESHES (pp=2,tp=2 and pp=2,dp=2) run it, to keep the zoo's "
+                                "time",
     "expert biases": "an upstream bug: with add_bias_linear an expert's MLP.forward adds its bias in place "
                      "(output += output_bias * per_token_scale, megatron/core/transformer/mlp.py) to linear_fc2's "
                      "output, a view _ReduceFromModelParallelRegion returns: autograd refuses it, on one process "
