@@ -180,12 +180,11 @@ def test_a_bug_in_a_later_stages_layer_is_named_by_its_place_in_the_whole_model_
 
     tree = copy_checkout(tmp_path / "tree")
     glue = tree / "harness" / "zoo" / "megatron.py"
-    step = "            for p in gpt.parameters():\n                p.grad = p.main_grad.clone()\n"
+    step = "                into[name].grad = p.main_grad.clone()\n"
     assert glue.read_text().count(step) == 1
     glue.write_text(glue.read_text().replace(step, (
-        "            for n, p in gpt.named_parameters():\n                p.grad = p.main_grad.clone()\n"
-        "                if global_name(n) == 'decoder.layers.1.mlp.linear_fc2.weight':  # planted\n"
-        "                    p.grad *= 2\n")))
+        step + "                if global_name(name) == 'decoder.layers.1.mlp.linear_fc2.weight':  # planted\n"
+               "                    into[name].grad *= 2\n")))
     found = zoo(tmp_path, "--only", "gpt", "--meshes", "pp=2", env=dict(env_for(tmp_path), PYTHONPATH=str(tree)))
     for sched in ("1f1b", "interleaved"):
         why = found[cell("gpt", "pp2", "sp_off", sched)]["why"]
