@@ -1,11 +1,14 @@
 """Users' parallelize functions with planted bugs (tests/test_model_bugs.py), each a mistake a team
 makes in its own parallelize code, on harness/examples/titan.py's model. Never flags in production code: each
 bug is a different parallelize function registered as an implementation of the ``bugs`` model."""
+import os
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from harness import events
 from harness.model import ModelCase
 from harness.examples import titan
 
@@ -91,10 +94,28 @@ def gradients_kept(model, meshes):
     return made
 
 
+def fails_when_recorded(model, meshes, die: bool = False):
+    """The norm-without-SP bug in a model that fails only in the diagnosis's rerun, which records each
+    module's tensors (as code that breaks under hooks or on a second run does): at step 2 every rank
+    raises, or (``die``) rank 1 exits."""
+    made = norm_without_sequence_parallel(model, meshes)
+    calls = []
+
+    def fail(module, args):
+        calls.append(1)
+        if events.active() and len(calls) == 2:
+            if die and dist.get_rank() == 1:
+                os._exit(3)
+            raise RuntimeError("the output head's second call while recording")
+    made.output.register_forward_pre_hook(fail)
+    return made
+
+
 BUGS = ModelCase(build=titan.Transformer, batch=titan.batch, loss=titan.loss, parallelize={
     "wocol": wo_colwise, "nosp": norm_without_sequence_parallel, "hsdpdims": hsdp_wrong_dims,
     "lossworld": loss_over_world_twice, "stagereinit": stage_reinitialised, "tpnosp": tp_without_sequence_parallel,
-    "wopartial": wo_partial_in_one_block, "wohook": wo_scaled_in_one_block, "gradkept": gradients_kept})
+    "wopartial": wo_partial_in_one_block, "wohook": wo_scaled_in_one_block, "gradkept": gradients_kept,
+    "rerunraises": fails_when_recorded, "rerundies": lambda model, meshes: fails_when_recorded(model, meshes, die=True)})
 
 
 # ---- a tied embedding across pipeline stages --------------------------------------------------------

@@ -24,6 +24,7 @@ from ..bisect.signature import factor_text
 from ..config import Config
 from ..names import grad_name, parse, step_grad_name
 from ..registry import Diagnosis
+from ..screen import first_line
 from ..world import any_world
 from .batches import start_model
 from .case import ModelCase
@@ -39,12 +40,14 @@ def diagnose(case: ModelCase, cfg: Config, pool, report, rerun: bool) -> Diagnos
         return Diagnosis(record={"model": record})
     with configured(case, cfg), any_world():
         params = [n for n, _ in start_model(case, cfg).named_parameters()]
-    lines, first, found, factors = [], None, None, cfg.mesh
+    lines, notes, first, found, factors = [], [], None, None, cfg.mesh
     if rerun and pool.can_rerun:
         try:
             found = localise(cfg, pool, complete=True)
         except Exception as error:  # noqa: BLE001  the diagnosis must not hide the failure
             record["modules_error"] = f"{type(error).__name__}: {error}"
+            notes.append(f"(where it starts is not known: the rerun that records each module's tensors failed: "
+                         f"{first_line(record['modules_error'])})")
         else:
             record["modules"] = module_rows(found)
             # a trainer's own pipeline schedule calls each module once per microbatch: a factor their count
@@ -54,10 +57,16 @@ def diagnose(case: ModelCase, cfg: Config, pool, report, rerun: bool) -> Diagnos
             lines.append(start.line)
             if first is not None:
                 record["first"] = [first, start.phase]
+            if found.errors:  # what follows is read from the events before it raised, and less than it would be
+                ranks = sorted(found.errors)
+                record["rerun_errors"] = {str(r): found.errors[r] for r in ranks}
+                notes.append(f"(the rerun that records each module's tensors raised on ranks {ranks}: "
+                             f"{found.errors[ranks[0]]}; where it starts is read from the events before that, and its "
+                             "gradients were not checked for partial sums)")
     backward = backward_order(params, found)
     gradients = first_gradients(backward, report, factors, found.partial_results if found else None,
                                 found.mean_results if found else None)
-    return Diagnosis("\n".join(lines + ([gradients] if gradients else [])), {"model": record},
+    return Diagnosis("\n".join(lines + ([gradients] if gradients else []) + notes), {"model": record},
                      order=table_order(backward, first))
 
 
