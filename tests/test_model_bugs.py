@@ -23,7 +23,10 @@ BUGS = [
     (model_cells("tied", impls=["untied"], meshes=["pp=2"])[0], "tok_embeddings.weight (module tok_embeddings"),
     # step 1's gradients are right: the gradients of every step are compared, and the first wrong one named
     (model_cells("bugs", impls=["gradkept"], meshes=["tp=2"])[0],
-     "first diverging parameter gradients (step 2, in backward order): output.weight (module output: mismatch"),
+     "first diverging module: none in step 1: every judged module's outputs and gradients match the reference there, "
+     "and the gradients first diverge in step 2 (below): what one step leaves the next (a buffer, a hook's state), or "
+     "a difference step 1 keeps within its tolerance first diverging parameter gradients (step 2, in backward order): "
+     "output.weight (module output: mismatch"),
     # a pipeline's microbatch activations, joined, are compared as an unpipelined model's: the bug in
     # the second stage of 1F1B is named at its module
     (model_cells("bugs", impls=["stagereinit"], meshes=["pp=2"])[0],

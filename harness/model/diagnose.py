@@ -186,6 +186,12 @@ def where_it_starts(found, report, mesh=()) -> Start:
     if not judged:
         return Start(None, "", "first diverging module: not known: no module's tensors could be placed on the mesh "
                                "to compare (outputs its styles make per rank, or tensors of no batch layout)")
+    later = first_gradient_step(report)
+    if later is not None and later > 1:  # the module events are step 1's: what starts later is not in them
+        return Start(None, "", f"first diverging module: none in step 1: every judged module's outputs and gradients "
+                               f"match the reference there, and the gradients first diverge in step {later} (below): "
+                               "what one step leaves the next (a buffer, a hook's state), or a difference step 1 "
+                               "keeps within its tolerance")
     return Start(None, "", "first diverging module: none: every judged module's outputs and gradients match the "
                            "reference, so the divergence is in the gradient reduction, the optimizer step or the loss")
 
@@ -264,6 +270,12 @@ def table_order(backward: list[str], first: str | None) -> list[str]:
     return named + [p for p in backward if p not in named]
 
 
+def first_gradient_step(report) -> int | None:
+    """The first training step at which a parameter's gradient fails the comparison; None where none does."""
+    return min((name.step or 1 for name in map(parse, (row.tensor for row in report.failing())) if name.kind == "grad"),
+               default=None)
+
+
 def first_gradients(backward: list[str], report, mesh=(), partial: dict[str, str] | None = None,
                     means: dict[str, str] | None = None, most: int = 3) -> str:
     """The parameters whose gradient diverges at the first step where one does, in the order
@@ -275,7 +287,7 @@ def first_gradients(backward: list[str], report, mesh=(), partial: dict[str, str
     failing: dict = {}
     for row in report.failing():  # a tensor's own row first, not the row saying its copies differ
         failing.setdefault(row.tensor, row)
-    step = min((name.step or 1 for name in map(parse, failing) if name.kind == "grad"), default=1)
+    step = first_gradient_step(report) or 1
     bad = [(n, failing[step_grad_name(step, n)]) for n in backward if step_grad_name(step, n) in failing]
     if not bad:
         return ""
