@@ -55,6 +55,14 @@ class Run(subprocess.CompletedProcess):
         return {c.cell: c for c in junit.read([self.junit]).cells}
 
 
+def junit_texts(junit: Path) -> dict[str, str]:
+    """What a run's junit XML keeps of each cell that did not pass, by its id: the whole failure
+    (a zoo's report keeps the first line of its diagnosis)."""
+    from harness.report import junit as records
+
+    return {c.cell: c.text or c.message or "" for c in records.read([junit]).cells}
+
+
 class UserProject:
     """A project at ``path`` with ``files`` (name -> text, dedented; a ``pytest.ini`` unless one is
     given or ``ini=False``)."""

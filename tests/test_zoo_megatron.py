@@ -11,10 +11,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from xml.etree import ElementTree
 
 import pytest
 
+from tests.project import junit_texts
 from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
 
 pytest.importorskip("megatron.core", reason="the Megatron-Core zoo needs megatron-core (README's thirdparty extra)")
@@ -27,15 +27,6 @@ def zoo(cwd: Path, *args, env=None) -> dict:
     found = json.loads((cwd / "out" / "zoo.json").read_text())
     assert found["library"] == "megatron", found
     return {r["cell"]: r for r in found["cells"]}
-
-
-def failure_text(cwd: Path, cell_id: str) -> str:
-    """What the zoo's pytest printed for a failing cell (its junit record): the whole diagnosis, where
-    zoo.json keeps its first line."""
-    for case in ElementTree.parse(cwd / "out" / "junit.xml").iter("testcase"):
-        if cell_id in case.get("name", ""):
-            return "\n".join(f"{e.get('message', '')}\n{e.text or ''}" for e in case if e.tag in ("failure", "skipped"))
-    return f"{cell_id}: not in the zoo's junit file"
 
 
 def cell(model: str, mesh: str, switches: str, sched: str = "1f1b", dtype: str = "fp32") -> str:
@@ -128,7 +119,7 @@ def test_bugs_planted_in_megatron_are_red_where_they_act_and_named_where_they_st
                                                   ("allgather", 2, 1), ("alltoall", 2, 1)))):
         assert red[sp].startswith("first diverging module: decoder.final_layernorm (parameter gradients, step 1)") \
             and "partial sums over tp (summed they match the reference): their all-reduce over tp is missing" in red[sp], \
-            failure_text(tmp_path, sp)
+            junit_texts(tmp_path / "out" / "junit.xml").get(sp, f"{sp}: not in the zoo's junit file")
     assert red[cell("moe", "dp2", "dispatcher_allgather.ep_2.sp_off")].startswith(
         "first diverging module: decoder.layers.1.mlp.router (parameter gradients, step 1)"), red
     for pipeline in pipelines:

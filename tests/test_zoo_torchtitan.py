@@ -16,6 +16,7 @@ import pytest
 
 from harness.zoo.torchtitan import VERSION
 from tests.checkout import venv_over_this_one, venv_with_release
+from tests.project import junit_texts
 from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,16 +44,17 @@ def test_qwen3_untied_and_tied_under_its_own_parallelize_are_green_on_both_backe
         titan_python, tmp_path):
     # the whole zoo (every model, mesh, backend and sp: 140 cells, about 10 minutes here) is the nightly's;
     # the tied one in the trainer's order (parallelized on meta, init_weights re-ties, the start loaded by
-    # name): parallelizing the built model instead leaves the two apart, red on tp=2 at tok_embeddings
+    # name): parallelizing the built model instead leaves the two apart, red on tp=2 at tok_embeddings.
+    # dp=2,tp=2 is a BF16_MESHES mesh: each cell in fp32 and in the trainer's bf16 mixed precision too
     done = zoo(titan_python, tmp_path, "--only", "qwen3,qwen3_tied", "--meshes", "dp=2,tp=2", "-n", "1",
                "--out", "out")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     found = json.loads((tmp_path / "out" / "zoo.json").read_text())
     assert found["library"] == "torchtitan" and found["torchtitan"] == VERSION, found
     verdicts = {r["cell"]: r["verdict"] for r in found["cells"]}
-    assert verdicts == {f"tt{model}-{impl}-dp2.tp2-fp32-sched_1f1b.sp_{sp}-steps3-seed0": "pass"
+    assert verdicts == {f"tt{model}-{impl}-dp2.tp2-{dtype}-sched_1f1b.sp_{sp}-steps3-seed0": "pass"
                         for model in ("qwen3", "qwen3tied") for impl in ("partial", "full") for sp in ("on", "off")
-                        }, found["cells"]
+                        for dtype in ("fp32", "bf16")}, found["cells"]
     table = (tmp_path / "out" / "zoo.md").read_text()
     assert table.startswith(f"# torchtitan zoo (torchtitan {VERSION}, torch "), table[:300]
     # what it cannot run here and what it changed for a CPU, each with why, in the report itself
@@ -64,9 +66,11 @@ def test_qwen3_untied_and_tied_under_its_own_parallelize_are_green_on_both_backe
 
 TEST = '''
 import pytest
+from harness.model import model_cells
 from harness.zoo.torchtitan import zoo_cells
 
-CELLS = zoo_cells(only=["llama3"], plans=("partial",), meshes=("dp=2", "tp=2", "pp=2"))
+CELLS = zoo_cells(only=["llama3"], plans=("partial",), meshes=("dp=2", "tp=2", "pp=2")) + model_cells(
+    "ttllama3", impls=["partial"], meshes=["tp=2"], dtypes=["bf16"], switches={"sp": ["off"], "sched": ["1f1b"]})
 
 
 @pytest.mark.parametrize("cfg", CELLS, ids=str)
@@ -92,6 +96,12 @@ def test_bugs_planted_in_torchtitan_are_red_where_fsdp_reduces_and_where_1f1b_pi
     single = text.index("schedule = schedule_class(\n            stages[0],")
     at = text.index("scale_grads=False", single)
     pipeline.write_text(text[:at] + "scale_grads=True" + text[at + len("scale_grads=False"):])
+    # and llama3's FSDP2 policy computing in fp32 whatever mixed_precision_param says: its bf16 cell ran fp32
+    policy = planted / "torchtitan" / "models" / "llama3" / "parallelize.py"
+    text = policy.read_text()
+    assert text.count("param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param]") == 1
+    policy.write_text(text.replace("param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param]",
+                                          "param_dtype=TORCH_DTYPE_MAP[\"float32\"]"))
     project = tmp_path / "project"
     project.mkdir()
     (project / "test_zoo.py").write_text(TEST)
@@ -100,13 +110,16 @@ def test_bugs_planted_in_torchtitan_are_red_where_fsdp_reduces_and_where_1f1b_pi
     done = subprocess.run([str(titan_python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf"], cwd=project,
                           env=env, capture_output=True, text=True, timeout=600)
     out = done.stdout
-    # dp=2 runs sp_off alone (SP acts with tp only), tp=2 both, pp=2 each schedule
-    assert done.returncode == 1 and "2 failed, 3 passed" in out, out[-5000:] + done.stderr[-2000:]
+    # dp=2 runs sp_off alone (SP acts with tp only), tp=2 both, pp=2 each schedule; tp=2 in bf16 too
+    assert done.returncode == 1 and "3 failed, 3 passed" in out, out[-5000:] + done.stderr[-2000:]
     # the FAILED lines' node ids (a line may repeat its id in its message: CI's terminal is wider)
     failed = sorted(line.split()[1] for line in out.split("short test summary")[1].splitlines() if line.startswith("FAILED"))
-    assert len(failed) == 2 and "ttllama3-partial-dp2-fp32-sched_1f1b.sp_off-" in failed[0], failed
+    assert len(failed) == 3 and "ttllama3-partial-dp2-fp32-sched_1f1b.sp_off-" in failed[0], failed
     assert "ttllama3-partial-pp2-fp32-sched_1f1b.sp_off-" in failed[1], failed
+    assert "ttllama3-partial-tp2-bf16-sched_1f1b.sp_off-" in failed[2], failed
     assert "first diverging module: lm_head (parameter gradients, step 1)" in out and "1/dp" in out, out[-5000:]
+    assert "bf16 ran in fp32: no module of parallelize 'partial' computed in bf16 on any rank" in " ".join(out.split()), \
+        out[-5000:]
 
 
 def test_a_bug_planted_in_torchtitans_expert_parallel_combine_is_red_on_the_ep_cells_alone(titan_python, tmp_path):
@@ -129,15 +142,52 @@ def test_a_bug_planted_in_torchtitans_expert_parallel_combine_is_red_on_the_ep_c
     found = {r["cell"]: r for r in json.loads((tmp_path / "out" / "zoo.json").read_text())["cells"]}
     verdicts = {}
     for model in ("qwen3moe", "deepseekv3"):
-        cell = f"tt{model}-partial-{{}}-fp32-ep_{{}}.sp_{{}}-steps3-seed0".format
-        verdicts |= {cell("dp2", 2, "off"): "red", cell("dp2.tp2", 2, "on"): "red",  # the plant
-                     cell("dp2.tp2", 1, "on"): "pass", cell("dp2.tp2", 1, "off"): "pass",  # no all-to-all: right
-                     cell("dp2.tp2", 2, "off"): "known"}  # torchtitan 0.3.0's own crash (KNOWN_EP_TP_SP_OFF)
+        cell = f"tt{model}-partial-{{}}-{{}}-ep_{{}}.sp_{{}}-steps3-seed0".format
+        verdicts |= {cell("dp2", "fp32", 2, "off"): "red", cell("dp2.tp2", "fp32", 2, "on"): "red",  # the plant
+                     cell("dp2", "bf16", 2, "off"): "red",  # in the trainer's bf16 mixed precision too (BF16_MOE_MESHES)
+                     cell("dp2.tp2", "fp32", 1, "on"): "pass", cell("dp2.tp2", "fp32", 1, "off"): "pass",  # no all-to-all
+                     cell("dp2.tp2", "fp32", 2, "off"): "known"}  # torchtitan 0.3.0's own crash (KNOWN_EP_TP_SP_OFF)
     assert {c: r["verdict"] for c, r in found.items()} == verdicts, found
-    for red in (c for c, v in verdicts.items() if v == "red"):
+    for red in (c for c, v in verdicts.items() if v == "red" and "-fp32-" in c):
         assert found[red]["why"].startswith("first diverging module: layers.1.moe.router.gate (input gradient, "
                                             "step 1, microbatch 0), in the backward pass: every judged forward "
                                             "output matches"), found[red]
+    # the known crash's reproduction: the zoo's command, then the torch-and-torchtitan-only script
+    assert found["ttdeepseekv3-partial-dp2.tp2-fp32-ep_2.sp_off-steps3-seed0"]["reproduce"] == (
+        "python -m harness.zoo torchtitan --only deepseek_v3 --plans partial --meshes 'dp=2,tp=2'; "
+        "torchrun --nproc-per-node 2 docs/torchtitan_repro.py --sp off"), found
+    # in bf16 the gate's gradient is named: at step 1 (qwen3), or at step 2 where deepseek_v3's step 1 keeps
+    # within the bf16 tolerance
+    texts = junit_texts(tmp_path / "out" / "junit.xml")
+    assert found["ttqwen3moe-partial-dp2-bf16-ep_2.sp_off-steps3-seed0"]["why"].startswith(
+        "first diverging module: layers.1.moe.router.gate (parameter gradients, step 1), in the backward pass: every "
+        "judged forward output matches"), found
+    deepseek = " ".join(texts["ttdeepseekv3-partial-dp2-bf16-ep_2.sp_off-steps3-seed0"].split())
+    assert ("first diverging module: none in step 1: every judged module's outputs and gradients match the reference "
+            "there, and the gradients first diverge in step 2 (below)") in deepseek and (
+            "first diverging parameter gradients (step 2, in backward order): layers.1.moe.router.gate.weight") \
+        in deepseek, deepseek
+
+
+def test_the_known_crash_is_shown_with_torch_and_torchtitan_alone(titan_python, tmp_path):
+    """docs/torchtitan_repro.py, the maintainers' reproduction of KNOWN_EP_TP_SP_OFF (qwen3 MoE, ep
+    borrowed from tp, torchtitan's own parallelize_fn): each rank raises the crash with SP off; with SP
+    on both run forward and backward to the same loss."""
+    def repro(sp: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(titan_python), "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                               str(ROOT / "docs" / "torchtitan_repro.py"), "--sp", sp], cwd=tmp_path,
+                              env=env_for(tmp_path), capture_output=True, text=True, timeout=300)
+
+    off, on = repro("off"), repro("on")
+    said = sorted(line for line in off.stdout.splitlines() if line.startswith("rank "))
+    assert off.returncode == 1 and said == [
+        f"rank {r}: partial_dtensor, tp=2, ep=2 (borrowed from tp), sequence parallel off: RuntimeError: Can not "
+        "redistribute from S(1) to P(sum), redistributing to Partial is for internal use only!" for r in (0, 1)], \
+        off.stdout[-3000:] + off.stderr[-3000:]
+    ran = sorted(line for line in on.stdout.splitlines() if line.startswith("rank "))
+    assert on.returncode == 0 and len(ran) == 2 and all("forward and backward ran, loss" in line for line in ran), \
+        on.stdout[-3000:] + on.stderr[-3000:]
+    assert ran[0].rsplit(" ", 1)[1] == ran[1].rsplit(" ", 1)[1], ran  # one loss: tp's ranks see one batch
 
 
 def test_meshes_the_zoo_does_not_run_are_one_line_and_a_repeated_option_adds(titan_python, tmp_path):

@@ -133,8 +133,9 @@ def _imports(args) -> tuple[str, ...]:
 def reproduce(library: str, cell: str, model: str, imports: tuple[str, ...] = ()) -> str:
     """The command that runs a cell again: its model and plan through the zoo (and its mesh, for
     torchtitan's; the modules it was told to import, for transformers'); for a transformers ``tpauto``
-    cell, also the torch-and-transformers-only script, and for a Megatron-Core MoE cell under tp with
-    ep 1 the torch-and-megatron-core-only one."""
+    cell, also the torch-and-transformers-only script, for a Megatron-Core MoE cell under tp with
+    ep 1 the torch-and-megatron-core-only one, and for a torchtitan MoE cell whose ep borrows tp's
+    ranks the torch-and-torchtitan-only one (qwen3 MoE on tp=2, ep=2)."""
     from harness.config import Config
 
     cfg = Config.parse(cell)
@@ -148,6 +149,8 @@ def reproduce(library: str, cell: str, model: str, imports: tuple[str, ...] = ()
     switched = dict(cfg.switches)
     if library == "megatron" and "etp" in switched and switched.get("ep") == "1":  # an MoE model under tp
         command += f"; torchrun --nproc-per-node {cfg.degree('tp')} docs/megatron_repro.py --etp {switched['etp']}"
+    if library == "torchtitan" and switched.get("ep", "1") != "1" and cfg.degree("tp") > 1:  # ep borrowed from tp
+        command += f"; torchrun --nproc-per-node 2 docs/torchtitan_repro.py --sp {switched['sp']}"
     return command
 
 

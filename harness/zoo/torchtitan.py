@@ -44,6 +44,11 @@ BACKENDS = {"partial": "partial_dtensor", "full": "full_dtensor"}
 SCHEDULES = {"1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
 MESHES = ("dp=2", "tp=2", "dp=2,tp=2", "rep=2,dp=2", "rep=2,tp=2", "dp=4", "dp=2,tp=4", "rep=2,dp=2,tp=2",
           "pp=2", "pp=2,dp=2", "pp=2,tp=2")
+# where bf16 cells run beside fp32 (the trainer's default, mixed_precision_param="bfloat16"): FSDP with tp
+# and SP on and off, and FSDP under both pipeline schedules, for the dense models; the MoE models' dp=2 with
+# ep=2. Elsewhere fp32 alone, to keep the zoo's time
+BF16_MESHES = ("dp=2,tp=2", "pp=2,dp=2")
+BF16_MOE_MESHES = (("dp=2", "2"),)
 # release series the zoo's glue cannot run, with why (the zoo refuses them in one line, before any import)
 OTHER_RELEASES = {
     "0.2": "0.2's models are built from a TrainSpec (get_train_spec) and parallelized from a JobConfig, not from "
@@ -65,6 +70,8 @@ NOT_RUN = {
     "the spmd_types backend": "torch 2.13's fully_shard rejects its meshes",
     "expert tensor parallel": "0.3.0's ParallelDims has no etp degree: its experts' tp is ep borrowed from tp, "
                               "which the MoE meshes run",
+    "bf16 on the other meshes": "BF16_MESHES (dp=2,tp=2 and pp=2,dp=2; the MoE models' dp=2 with ep=2) run it, "
+                                "to keep the zoo's time",
     **{f"torchtitan {release}, the release before": why for release, why in OTHER_RELEASES.items()},
 }
 # what the zoo changes for a CPU, each with why; none touches the parallel math
@@ -375,8 +382,10 @@ def _parallelize(model_name: str):
         _DIMS["dims"] = dims
         spec = import_module(_module(model_name)).model_registry("debugmodel")
         # the trainer's local batch: the global one over the data ranks, one microbatch per sample under pp
-        training = TrainingConfig(mixed_precision_param="float32",
-                                  local_batch_size=SIZES["batch"] // (dims.dp_replicate * dims.dp_shard))
+        # the trainer's mixed precision (FSDP2's policy, installed on every mesh): parameters kept in fp32,
+        # computed in the cell's dtype, gradients reduced in fp32
+        training = TrainingConfig(mixed_precision_param="bfloat16" if running().dtype == torch.bfloat16 else "float32",
+                                  mixed_precision_reduce="float32", local_batch_size=SIZES["batch"] // (dims.dp_replicate * dims.dp_shard))
         common = dict(parallel_dims=dims, training=training, parallelism=job, compile_config=CompileConfig(enable=False),
                       ac_config=None, dump_folder=tempfile.gettempdir())
         if dims.pp_enabled:  # the trainer's pipelining_fn: stages split from the model, each parallelized
@@ -410,7 +419,7 @@ def case(model: str) -> ModelCase:
                      parallelize={impl: _parallelize(model) for impl in BACKENDS},
                      switches={"sp": ("on", "off"), **({"ep": EXPERT_DEGREES} if moe else {"sched": tuple(SCHEDULES)})},
                      acts_with={"sp": ("tp",), **({} if moe else {"sched": ("pp",)})},
-                     fp32_ops=("_grouped_mm",) if moe else (),
+                     fp32_ops=("_grouped_mm",) if moe else (), mixed_precision="params",
                      xfail={impl: _known for impl in BACKENDS} if moe else {})
 
 
@@ -447,7 +456,9 @@ def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = PLANS,
             # a schedule with pp only
             sp = ["on", "off"] if "tp=" in mesh else ["off"]
             own = {"ep": [ep]} if model in MOE else {"sched": list(SCHEDULES) if "pp=" in mesh else ["1f1b"]}
-            out += model_cells(name_of(model), impls=runs, meshes=[mesh], switches={"sp": sp, **own})
+            low = (mesh, ep) in BF16_MOE_MESHES if model in MOE else mesh in BF16_MESHES
+            out += model_cells(name_of(model), impls=runs, meshes=[mesh], dtypes=["fp32", "bf16"] if low else ["fp32"],
+                               switches={"sp": sp, **own})
     if not out:
         raise ValueError(f"no cell of {', '.join(only or CONFIGS)} on {'; '.join(meshes)}: the MoE models run "
                          f"{'; '.join(sorted({m[0] for m in MOE_MESHES}))}")
