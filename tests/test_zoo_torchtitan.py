@@ -2,8 +2,11 @@
 installed as docs/zoo.md says (the extra, then torchtitan without its dependencies) into an environment
 of the test's over this one: qwen3 through torchtitan's own ``parallelize_fn`` green on both DTensor
 backends with sequence parallel on and off; bugs planted in torchtitan (in a copy of the installed
-package: FSDP's gradient division left on; the expert-parallel combine's routing scores detached) red
-where they act and green where they do not; without torchtitan, one line that says how to install it."""
+package: FSDP's gradient division left on; the expert-parallel combine's routing scores detached; a
+policy computing in fp32 in a bf16 cell) red where they act and green where they do not; the known
+crash shown with torch and torchtitan alone; the release before (0.2.2) through its own glue, a plant
+in it red where it acts; without torchtitan, or with a series the zoo has no glue for, one line that
+says what to install."""
 import json
 import os
 import shutil
@@ -15,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from harness.zoo.torchtitan import VERSION
+from harness.zoo.torchtitan_0_2 import VERSION as RELEASE_BEFORE
 from tests.checkout import venv_over_this_one, venv_with_release
 from tests.project import junit_texts
 from tests.test_torchrun import env_for, private_tmpdir  # noqa: F401  (autouse fixture)
@@ -24,15 +28,26 @@ ROOT = Path(__file__).resolve().parent.parent
 EXTRA = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["torchtitan"]
 
 
-@pytest.fixture(scope="module")
-def titan_python(tmp_path_factory) -> Path:
-    """An environment over this one with torchtitan installed as docs/zoo.md installs it."""
-    python = venv_over_this_one(tmp_path_factory.mktemp("titan") / "venv")
-    for args in (EXTRA, ["--no-deps", f"torchtitan=={VERSION}"]):
+def installed_package(python: Path) -> str:
+    """Where ``python``'s torchtitan package is (found, not imported: 0.2's package imports triton)."""
+    return subprocess.run([str(python), "-c", "import importlib.util as u; "
+                           "print(u.find_spec('torchtitan').submodule_search_locations[0])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def titan_venv(dest: Path, release: str) -> Path:
+    """An environment over this one with torchtitan ``release`` installed as docs/zoo.md installs it."""
+    python = venv_over_this_one(dest)
+    for args in (EXTRA, ["--no-deps", f"torchtitan=={release}"]):
         done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", *args],
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return python
+
+
+@pytest.fixture(scope="module")
+def titan_python(tmp_path_factory) -> Path:
+    return titan_venv(tmp_path_factory.mktemp("titan") / "venv", VERSION)
 
 
 def zoo(python, cwd: Path, *args, env=None) -> subprocess.CompletedProcess:
@@ -83,8 +98,7 @@ def test_bugs_planted_in_torchtitan_are_red_where_fsdp_reduces_and_where_1f1b_pi
     # a copy of the installed torchtitan, first on the path, with FSDP's division left on (gradients 1/dp),
     # and the single-stage schedules (1F1B) dividing the gradients by the microbatches again, though each
     # microbatch's loss is already its share of the global mean (the looped ones, Interleaved1F1B, right)
-    installed = subprocess.run([str(titan_python), "-c", "import torchtitan, os; print(os.path.dirname(torchtitan.__file__))"],
-                               capture_output=True, text=True, check=True).stdout.strip()
+    installed = installed_package(titan_python)
     planted = tmp_path / "planted"
     shutil.copytree(installed, planted / "torchtitan")
     fsdp = planted / "torchtitan" / "distributed" / "fsdp.py"
@@ -125,8 +139,7 @@ def test_bugs_planted_in_torchtitan_are_red_where_fsdp_reduces_and_where_1f1b_pi
 def test_a_bug_planted_in_torchtitans_expert_parallel_combine_is_red_on_the_ep_cells_alone(titan_python, tmp_path):
     # the all-to-all dispatcher's combine with the routing scores detached: the forward is unchanged, the
     # router's gradient is lost, on cells whose tokens cross ranks (ep > 1, borrowed from dp or from tp)
-    installed = subprocess.run([str(titan_python), "-c", "import torchtitan, os; print(os.path.dirname(torchtitan.__file__))"],
-                               capture_output=True, text=True, check=True).stdout.strip()
+    installed = installed_package(titan_python)
     planted = tmp_path / "planted"
     shutil.copytree(installed, planted / "torchtitan")
     dispatcher = planted / "torchtitan" / "models" / "common" / "token_dispatcher.py"
@@ -207,18 +220,46 @@ def test_without_torchtitan_the_zoo_says_how_to_install_it(tmp_path):
     assert "Traceback" not in done.stderr
 
 
-def test_the_release_before_is_refused_in_one_line_that_says_why_and_what_to_install(tmp_path):
-    """torchtitan 0.2.2 installed as docs/zoo.md installs 0.3.0 (without its dependencies): its API is not
-    the one the zoo's glue calls, which failed deep inside torchtitan's own imports (triton, at 0.2's path)
-    and named only the missing triton."""
-    python = venv_with_release(tmp_path / "venv", "torchtitan==0.2.2")
+def test_the_release_before_runs_through_its_own_glue_red_where_a_plant_acts(tmp_path):
+    """torchtitan 0.2.2 installed as docs/zoo.md installs 0.3.0: the zoo runs it through its 0.2 glue
+    (TrainSpec, JobConfig, explicit ParallelDims), with the same cell ids, so that diff compares the
+    two releases. Planted in a copy of 0.2.2: llama3's FSDP division left on (gradients 1/dp); red on
+    llama3's dp=2 cell, green on its tp=2 cell and on qwen3's dp=2 cell, whose FSDP is llama4's."""
+    python = titan_venv(tmp_path / "venv", RELEASE_BEFORE)
+    installed = installed_package(python)
+    planted = tmp_path / "planted"
+    shutil.copytree(installed, planted / "torchtitan")
+    fsdp = planted / "torchtitan" / "models" / "llama3" / "infra" / "parallelize.py"
+    text = fsdp.read_text()  # the call in llama3's apply_fsdp; llama4's, which qwen3 uses, calls it too
+    assert text.count("    disable_fsdp_gradient_division(model)\n") == 1
+    fsdp.write_text(text.replace("    disable_fsdp_gradient_division(model)\n", "    pass  # planted\n"))
+    env = dict(env_for(tmp_path), PYTHONPATH=os.pathsep.join([str(planted), env_for(tmp_path)["PYTHONPATH"]]))
+    done = zoo(python, tmp_path, "--only", "llama3,qwen3", "--meshes", "dp=2;tp=2", "-n", "1", "--out", "out",
+               env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = json.loads((tmp_path / "out" / "zoo.json").read_text())
+    assert found["torchtitan"] == RELEASE_BEFORE, found
+    cell = "tt{}-partial-{}-fp32-sched_1f1b.sp_{}-steps3-seed0".format
+    # 0.2's tp plans always shard the sequence: sp_on alone where tp splits; qwen3 not on tp (NOT_RUN)
+    assert {r["cell"]: r["verdict"] for r in found["cells"]} == {
+        cell("llama3", "dp2", "off"): "red", cell("llama3", "tp2", "on"): "pass",
+        cell("qwen3", "dp2", "off"): "pass"}, found["cells"]
+    red = next(r for r in found["cells"] if r["verdict"] == "red")
+    assert red["why"].startswith("first diverging module: output (parameter gradients, step 1)"), red
+    assert "1/dp" in " ".join(junit_texts(tmp_path / "out" / "junit.xml")[red["cell"]].split()), red
+    assert "sequence parallel off" in found["not_run"] and "torchtitan.hf_datasets.text_datasets" in found["shims"], found
+
+
+def test_another_release_series_is_refused_in_one_line_that_says_what_to_install(tmp_path):
+    """torchtitan 0.1.0, a series the zoo has no glue for: one line, before any import of torchtitan's
+    (whose API is not the one the glue calls, which failed deep inside torchtitan's own imports)."""
+    python = venv_with_release(tmp_path / "venv", "torchtitan==0.1.0")
     done = zoo(python, tmp_path, "--only", "qwen3")
     assert done.returncode == 2, done.stdout + done.stderr
     (line,) = done.stderr.splitlines()
-    assert line.startswith(f"python -m harness.zoo torchtitan: the torchtitan zoo is written against torchtitan "
-                           f"{VERSION}, and 0.2.2 is installed: 0.2's models are built from a TrainSpec"), line
-    assert line.endswith(f"Install {VERSION}: pip install -e '.[torchtitan]' && pip install --no-deps "
-                         f"torchtitan=={VERSION}"), line
+    assert line == (f"python -m harness.zoo torchtitan: the torchtitan zoo is written against torchtitan {VERSION}, and "
+                    f"0.1.0 is installed. Install {VERSION}: pip install -e '.[torchtitan]' && pip install --no-deps "
+                    f"torchtitan=={VERSION}"), line
     assert not (tmp_path / "zoo-out").exists()
 
 
@@ -232,3 +273,6 @@ def test_the_nightly_torchtitan_job_installs_and_runs_as_tested_here():
     install = steps["Install (as docs/zoo.md)"]["run"]
     assert ".[torchtitan]" in install and f"--no-deps torchtitan=={VERSION}" in install, install
     assert steps["Zoo"]["run"].startswith(".venv/bin/python -m harness.zoo torchtitan ")
+    before = steps["Zoo, the release before"]["run"]
+    assert f"--no-deps torchtitan=={RELEASE_BEFORE}" in before and "-m harness.zoo torchtitan --out" in before, before
+    assert "-m harness.zoo diff " in steps["What changed since the release before"]["run"]

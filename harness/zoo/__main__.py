@@ -32,7 +32,7 @@ FRAMEWORKS = ("torchtitan", "megatron")  # zoos of a framework's own models: --m
 TEST = '''\
 import pytest
 
-from harness.zoo.{library} import zoo_cells
+from {module} import zoo_cells
 
 CELLS = zoo_cells(only={only!r} or None, plans={plans!r}{meshes}{imports})
 
@@ -290,8 +290,10 @@ def _models(library: str) -> list[str]:
 
 
 def _zoo(library: str):
-    """The zoo module of ``library`` (its ``PLANS``, ``zoo_cells``, ``version``)."""
-    return importlib.import_module(f"harness.zoo.{library}")
+    """The zoo module of ``library`` (its ``PLANS``, ``zoo_cells``, ``version``): the glue for its installed
+    release where the zoo has one per release (``glue()``)."""
+    module = importlib.import_module(f"harness.zoo.{library}")
+    return module.glue() if hasattr(module, "glue") else module
 
 
 def run(args) -> int:
@@ -319,7 +321,7 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory(prefix="harness-zoo-") as project:
         imports = _imports(args)
         (Path(project) / "test_zoo.py").write_text(TEST.format(
-            library=library, only=only, plans=plans, meshes=f", meshes={meshes!r}" if meshes else "",
+            module=zoo.__name__, only=only, plans=plans, meshes=f", meshes={meshes!r}" if meshes else "",
             imports=f", imports={imports!r}" if imports else ""))
         (Path(project) / "pytest.ini").write_text("[pytest]\n")
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", args.n,

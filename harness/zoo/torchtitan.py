@@ -50,10 +50,8 @@ MESHES = ("dp=2", "tp=2", "dp=2,tp=2", "rep=2,dp=2", "rep=2,tp=2", "dp=4", "dp=2
 BF16_MESHES = ("dp=2,tp=2", "pp=2,dp=2")
 BF16_MOE_MESHES = (("dp=2", "2"),)
 # release series the zoo's glue cannot run, with why (the zoo refuses them in one line, before any import)
-OTHER_RELEASES = {
-    "0.2": "0.2's models are built from a TrainSpec (get_train_spec) and parallelized from a JobConfig, not from "
-           "0.3's model_registry and configs, which the zoo's glue calls; no adapter for 0.2 is built",
-}
+# (0.2, the release before, has glue of its own: harness.zoo.torchtitan_0_2, which glue() picks)
+OTHER_RELEASES: dict[str, str] = {}
 # registry models the zoo cannot run here, with why (every other model of the registry is built below)
 NOT_RUN = {
     "qwen3 tied, pp meshes": "torchtitan ties no weights under pipeline parallel (NotImplementedError)",
@@ -72,7 +70,6 @@ NOT_RUN = {
                               "which the MoE meshes run",
     "bf16 on the other meshes": "BF16_MESHES (dp=2,tp=2 and pp=2,dp=2; the MoE models' dp=2 with ep=2) run it, "
                                 "to keep the zoo's time",
-    **{f"torchtitan {release}, the release before": why for release, why in OTHER_RELEASES.items()},
 }
 # what the zoo changes for a CPU, each with why; none touches the parallel math
 SHIMS = {
@@ -137,6 +134,14 @@ def _shim() -> types.ModuleType:
 def version() -> str | None:
     """The installed release of torchtitan; None for a source checkout on the path (no metadata)."""
     return installed_release("torchtitan")
+
+
+def glue() -> types.ModuleType:
+    """The zoo's glue for the installed release: this module for 0.3, :mod:`harness.zoo.torchtitan_0_2`
+    for 0.2 (the release before: built from a TrainSpec and parallelized from a JobConfig)."""
+    if (version() or "").startswith("0.2."):
+        return import_module("harness.zoo.torchtitan_0_2")
+    return sys.modules[__name__]
 
 
 # ---- the models, tiny, from torchtitan's own builders ------------------------------------------------------
@@ -359,10 +364,10 @@ def forward(model, batch):
 
 
 def loss(output, batch):
-    return _share(output, _feeds(batch)[1])
+    return share(output, _feeds(batch)[1])
 
 
-def _share(output, labels):
+def share(output, labels):
     """torchtitan's ``cross_entropy_loss`` (a sum) over the global token count: this rank's (or this
     microbatch's) share of the global mean, as the trainer normalises it."""
     from torchtitan.components.loss import cross_entropy_loss
@@ -391,7 +396,7 @@ def _parallelize(model_name: str):
         if dims.pp_enabled:  # the trainer's pipelining_fn: stages split from the model, each parallelized
             schedule, _, _, _ = spec.pipelining_fn(
                 model, device=torch.device("cpu"), model_config=_config(model_name, job),
-                parallelize_fn=spec.parallelize_fn, loss_fn=lambda output, labels: (_share(output, labels), None),
+                parallelize_fn=spec.parallelize_fn, loss_fn=lambda output, labels: (share(output, labels), None),
                 **common)
             # it returns the stages' modules, not the stages: the schedule holds them (one, or a rank's several)
             made = Pipelined(stages=getattr(schedule, "_stages", None) or [schedule._stage], schedule=schedule)
