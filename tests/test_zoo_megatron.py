@@ -63,6 +63,7 @@ def test_megatrons_own_tp_sp_pipeline_and_expert_parallel_are_green(tmp_path):
     assert found[cell("moe", "dp2.tp2", "dispatcher_alltoall.ep_1.etp_1.sp_on")]["reproduce"] == (
         "python -m harness.zoo megatron --only moe --plans ddp --meshes 'dp=2,tp=2'; "
         "torchrun --nproc-per-node 2 docs/megatron_repro.py --etp 1"), found
+    # what the zoo cannot run here and what it changed for a CPU, each with why, in each report
     table, page = ((tmp_path / "out" / f"zoo.{kind}").read_text() for kind in ("md", "html"))
     not_run, shims = table.split("## Not run here")[-1].split("## CPU shims, none touching the parallel math")
     assert "| all-to-all dispatcher with the experts over tp's ranks (etp = tp) | gloo has no uneven all_gather," \
@@ -78,6 +79,18 @@ def plant(tmp_path: Path, file: str, old: str, new: str) -> None:
     text = path.read_text()
     assert text.count(old) == 1, (file, old)
     path.write_text(text.replace(old, new))
+
+
+def planted_glue(tmp_path: Path, old: str, new: str) -> dict[str, str]:
+    """A throwaway copy of this tree whose Megatron glue has ``old`` (once) replaced by ``new``: the
+    environment that runs the zoo from it."""
+    from tests.checkout import copy_checkout
+
+    tree = copy_checkout(tmp_path / "tree")
+    glue = tree / "harness" / "zoo" / "megatron.py"
+    assert glue.read_text().count(old) == 1, old
+    glue.write_text(glue.read_text().replace(old, new))
+    return dict(env_for(tmp_path), PYTHONPATH=str(tree))
 
 
 def test_bugs_planted_in_megatron_are_red_where_they_act_and_named_where_they_start(tmp_path):
@@ -178,16 +191,10 @@ def test_a_bug_in_a_later_stages_layer_is_named_by_its_place_in_the_whole_model_
     Planted in a throwaway copy of the tree: the second layer's fc2 gradient doubled, on pp rank 1
     (its local decoder.layers.0 under 1F1B, chunk 0's under the interleaved schedule). Named
     'not known' before the recorder read the global names."""
-    from tests.checkout import copy_checkout
-
-    tree = copy_checkout(tmp_path / "tree")
-    glue = tree / "harness" / "zoo" / "megatron.py"
     step = "                into[name].grad = p.main_grad.clone()\n"
-    assert glue.read_text().count(step) == 1
-    glue.write_text(glue.read_text().replace(step, (
-        step + "                if global_name(name) == 'decoder.layers.1.mlp.linear_fc2.weight':  # planted\n"
-               "                    into[name].grad *= 2\n")))
-    found = zoo(tmp_path, "--only", "gpt", "--meshes", "pp=2", env=dict(env_for(tmp_path), PYTHONPATH=str(tree)))
+    env = planted_glue(tmp_path, step, step + "                if global_name(name) == "
+                       "'decoder.layers.1.mlp.linear_fc2.weight':  # planted\n                    into[name].grad *= 2\n")
+    found = zoo(tmp_path, "--only", "gpt", "--meshes", "pp=2", env=env)
     for sched in ("1f1b", "interleaved"):
         why = found[cell("gpt", "pp2", "sp_off", sched)]["why"]
         assert why.startswith("first diverging module: decoder.layers.1.mlp.linear_fc2 (parameter gradients, step 1)"), \
@@ -200,14 +207,8 @@ def test_bf16_cells_are_judged_on_the_fp32_main_parameters_the_optimizer_steps(t
     (Parallelized.after_step). Planted in a throwaway copy of the tree: the copy left out, so the
     model keeps its start while its main parameters move. The bf16 cells are red from step 2's
     gradients on, where the model's stale weights act first; the fp32 cells, which keep none, pass."""
-    from tests.checkout import copy_checkout
-
-    tree = copy_checkout(tmp_path / "tree")
-    glue = tree / "harness" / "zoo" / "megatron.py"
-    copy = "                    p.copy_(mains[name])\n"
-    assert glue.read_text().count(copy) == 1
-    glue.write_text(glue.read_text().replace(copy, "                    pass  # planted\n"))
-    found = zoo(tmp_path, "--only", "gpt", "--meshes", "pp=2,tp=2", env=dict(env_for(tmp_path), PYTHONPATH=str(tree)))
+    env = planted_glue(tmp_path, "                    p.copy_(mains[name])\n", "                    pass  # planted\n")
+    found = zoo(tmp_path, "--only", "gpt", "--meshes", "pp=2,tp=2", env=env)
     assert {c: r["verdict"] for c, r in found.items()} == {
         c: "red" if "-bf16-" in c else "pass" for c in bf16_and_fp32("gpt", "pp2.tp2")}, found
     failures = " ".join((tmp_path / "out" / "junit.xml").read_text().split())
