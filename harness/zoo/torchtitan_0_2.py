@@ -22,6 +22,7 @@ from importlib.util import find_spec
 
 import torch
 
+from harness.known import Known
 from harness.model import ModelCase, Pipelined, load_shards, model_cells, running, switches
 from harness.model.register import model_component
 from harness.registry import register_component
@@ -46,6 +47,8 @@ NOT_RUN = {
     "sequence parallel off": "0.2 has no enable_sequence_parallel: its tp plans always shard the sequence",
     "loss parallel": "off (disable_loss_parallel): the harness computes the loss and its backward outside the "
                      "trainer's loss_parallel context, which a vocabulary-sharded output needs",
+    "rep=2,tp=2": "0.2's data parallel without a shard degree is DDP, whose apply_ddp raises 'DDP has not supported "
+                  "> 1D parallelism' with tp, by design (0.3 runs the mesh)",
     "context parallel": "its SDPA on a CPU has no DTensor sharding rule",
     "bf16 on the other meshes": "BF16_MESHES (dp=2,tp=2 and pp=2,dp=2) run it, to keep the zoo's time",
 }
@@ -60,6 +63,22 @@ SHIMS = {
     "device_type": "cpu, where torchtitan.tools.utils and ParallelDims read 'cuda' at import",
     "FSDP's PREMUL_SUM": "a plain SUM (gloo has no PREMUL_SUM; the factor is 1)",
 }
+
+
+# torchtitan bugs the zoo found in this release: their cells run as strict xfails held to the line they show
+KNOWN_TIED_FSDP = (
+    "0.2.2", "tied qwen3 under FSDP: its apply_fsdp (llama4's) puts the tied embedding and output head in two FSDP "
+    "groups, which torch 2.13's fully_shard refuses (a shared parameter belongs to one group); fixed by "
+    "pytorch/torchtitan#2522 (in 0.3.0, where the same cells pass)",
+    r"is shared with a parameter already managed by another FSDP group")
+
+
+def _known(cfg) -> Known | None:
+    """Why a cell of tied qwen3 fails in this release, or None: FSDP is applied where dp shards."""
+    release, reason, shows = KNOWN_TIED_FSDP
+    if version() == release and cfg.component == name_of("qwen3_tied") and dict(cfg.mesh).get("dp", 1) > 1:
+        return Known(f"torchtitan {release}: {reason}", shows=shows)
+    return None
 
 
 def _stand_in(name: str, **attributes) -> None:
@@ -210,7 +229,8 @@ def case(model: str) -> ModelCase:
     return ModelCase(build=lambda: _build(model), batch=batch, loss=loss, forward=forward, loss_reduction="sum",
                      parallelize={"partial": _parallelize(model)}, switches={"sp": ("on", "off"),
                                                                              "sched": tuple(SCHEDULES)},
-                     acts_with={"sp": ("tp",), "sched": ("pp",)}, mixed_precision="params")
+                     acts_with={"sp": ("tp",), "sched": ("pp",)}, mixed_precision="params",
+                     xfail={"partial": _known} if model in TIED else {})
 
 
 def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = PLANS,
@@ -225,7 +245,7 @@ def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = PLANS,
         register_component(model_component(name_of(model), f"harness.zoo.torchtitan_0_2:case({model})", list(PLANS),
                                            preload=("harness.zoo.torchtitan_0_2",), fresh=True))
         for mesh in meshes:
-            if model != "llama3" and ("pp=" in mesh or "tp=" in mesh) or "partial" not in plans:
+            if model != "llama3" and ("pp=" in mesh or "tp=" in mesh) or mesh == "rep=2,tp=2" or "partial" not in plans:
                 continue  # NOT_RUN says why
             out += model_cells(name_of(model), impls=["partial"], meshes=[mesh],
                                dtypes=["fp32", "bf16"] if mesh in BF16_MESHES else ["fp32"],
