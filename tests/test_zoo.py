@@ -24,6 +24,7 @@ def zoo(project, *args):
     return project.harness("zoo", "transformers", *args, timeout=900)
 
 
+@pytest.mark.slow  # runs a zoo: a pytest process of its own and its pool
 def test_the_zoo_checks_each_plan_and_skips_what_it_cannot_build(project):
     pytest.importorskip("transformers", reason="pip install -e '.[thirdparty]'")
     done = zoo(project, "--only", "llama,qwen3_moe,llama4,apertus,inkling2_text,gemma,step3p5",
@@ -80,6 +81,7 @@ def test_the_zoo_checks_each_plan_and_skips_what_it_cannot_build(project):
     assert llama.count("not shipped") == 1 and llama.count("<td></td>") == 1, llama
 
 
+@pytest.mark.slow  # runs a zoo: a pytest process of its own and its pool
 def test_a_known_bug_whose_cell_fails_another_way_a_lost_tie_and_a_wrong_load_are_red_saying_so(project, tmp_path):
     """A throwaway copy of the tree whose apertus entry declares another first line than the one its
     cells fail with: they are red, naming where they start and the bug declared, not known. In the
@@ -178,6 +180,7 @@ for name, split in (("fusedlm", Chunk), ("swappedlm", SwappedChunk)):
 '''
 
 
+@pytest.mark.slow  # runs a zoo: a pytest process of its own and its pool
 def test_a_family_of_the_users_own_runs_by_import_and_the_load_check_names_its_converters_swap(project):
     """docs/zoo.md's --import: two model types of the user's own, registered from a module in their
     directory, run as transformers' own do. Their checkpoints fuse o_proj and down_proj (a rowwise

@@ -40,6 +40,7 @@ def bf16_and_fp32(model: str, mesh: str) -> list[str]:
             for dtype in ("fp32", "bf16")]
 
 
+@pytest.mark.slow  # runs a zoo: a pytest process of its own and its pool
 def test_megatrons_own_tp_sp_pipeline_and_expert_parallel_are_green(tmp_path):
     found = zoo(tmp_path, "--only", "gpt,moe", "--meshes", "dp=2,tp=2;pp=2,tp=2")
     assert {c: r["verdict"] for c, r in found.items()} == {
@@ -93,6 +94,7 @@ def planted_glue(tmp_path: Path, old: str, new: str) -> dict[str, str]:
     return dict(env_for(tmp_path), PYTHONPATH=str(tree))
 
 
+@pytest.mark.slow  # runs a zoo: a pytest process of its own and its pool
 def test_bugs_planted_in_megatron_are_red_where_they_act_and_named_where_they_start(tmp_path):
     import megatron.core
 
@@ -151,6 +153,7 @@ def repro(cwd: Path, env: dict) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+@pytest.mark.slow  # runs a zoo: a pytest process of its own and its pool
 def test_the_known_expert_reduction_bug_is_fixed_by_its_upstream_fix_alone(tmp_path):
     """Megatron-Core 0.16's local expert layers look at ep > 1 alone to take the expert process groups:
     with ep=1 and etp=1 under tp=2 their gradients are reduced over dp only. The cell is known, held to
@@ -185,6 +188,7 @@ def test_the_known_expert_reduction_bug_is_fixed_by_its_upstream_fix_alone(tmp_p
         done.stdout[-3000:] + done.stderr[-3000:]
 
 
+@pytest.mark.slow  # runs a zoo: a pytest process of its own and its pool
 def test_a_bug_in_a_later_stages_layer_is_named_by_its_place_in_the_whole_model_on_both_schedules(tmp_path):
     """A pipeline rank names its layers (and, interleaved, its model chunks) locally; its recorded
     modules take the whole model's names through Parallelized.global_name, as its parameters do.
@@ -201,6 +205,7 @@ def test_a_bug_in_a_later_stages_layer_is_named_by_its_place_in_the_whole_model_
             (sched, why)
 
 
+@pytest.mark.slow  # runs a zoo: a pytest process of its own and its pool
 def test_bf16_cells_are_judged_on_the_fp32_main_parameters_the_optimizer_steps(tmp_path):
     """A bf16 cell trains as Megatron's --bf16 does: the model in bf16, gradients reduced in fp32 into
     fp32 main parameters, which the harness steps and judges, copied into the model after each step

@@ -55,6 +55,7 @@ def zoo(python, cwd: Path, *args, env=None) -> subprocess.CompletedProcess:
                           env=env or env_for(cwd), capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.slow  # runs a zoo: a pytest process of its own and its pool
 def test_qwen3_untied_and_tied_under_its_own_parallelize_are_green_on_both_backends_with_sp_on_and_off(
         titan_python, tmp_path):
     # the whole zoo (every model, mesh, backend and sp: 140 cells, about 10 minutes here) is the nightly's;
@@ -94,6 +95,7 @@ def test_zoo(cfg, parity):
 '''
 
 
+@pytest.mark.slow  # runs a zoo: a pytest process of its own and its pool
 def test_bugs_planted_in_torchtitan_are_red_where_fsdp_reduces_and_where_1f1b_pipelines(titan_python, tmp_path):
     # a copy of the installed torchtitan, first on the path, with FSDP's division left on (gradients 1/dp),
     # and the single-stage schedules (1F1B) dividing the gradients by the microbatches again, though each
@@ -136,6 +138,7 @@ def test_bugs_planted_in_torchtitan_are_red_where_fsdp_reduces_and_where_1f1b_pi
         out[-5000:]
 
 
+@pytest.mark.slow  # runs a zoo: a pytest process of its own and its pool
 def test_a_bug_planted_in_torchtitans_expert_parallel_combine_is_red_on_the_ep_cells_alone(titan_python, tmp_path):
     # the all-to-all dispatcher's combine with the routing scores detached: the forward is unchanged, the
     # router's gradient is lost, on cells whose tokens cross ranks (ep > 1, borrowed from dp or from tp)
@@ -182,6 +185,7 @@ def test_a_bug_planted_in_torchtitans_expert_parallel_combine_is_red_on_the_ep_c
         in deepseek, deepseek
 
 
+@pytest.mark.slow  # two torchrun jobs in the module's virtual environment
 def test_the_known_crash_is_shown_with_torch_and_torchtitan_alone(titan_python, tmp_path):
     """docs/torchtitan_repro.py, the maintainers' reproduction of KNOWN_EP_TP_SP_OFF (qwen3 MoE, ep
     borrowed from tp, torchtitan's own parallelize_fn): each rank raises the crash with SP off; with SP
@@ -220,6 +224,7 @@ def test_without_torchtitan_the_zoo_says_how_to_install_it(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow  # runs a zoo: a pytest process of its own and its pool
 def test_the_release_before_runs_through_its_own_glue_red_where_a_plant_acts(tmp_path):
     """torchtitan 0.2.2 installed as docs/zoo.md installs 0.3.0: the zoo runs it through its 0.2 glue
     (TrainSpec, JobConfig, explicit ParallelDims), with the same cell ids, so that diff compares the
