@@ -32,3 +32,26 @@ def require_release(missing: type[ZooMissing], library: str, installed: str | No
     why = unsupported.get(series)
     raise missing(f"the {library} zoo is written against {library} {written_for}, and {installed} is installed"
                   f"{f': {why}' if why else ''}. Install {written_for}: {install}")
+
+
+def stand_in(name: str, **attributes) -> None:
+    """Put a module ``name`` holding ``attributes`` in ``sys.modules``, unless one is there: for what a
+    framework imports and no cell here runs (a GPU kernel module, a data stack). Any other attribute is a
+    function that raises, naming it, when called: importing it works, running it says why it cannot."""
+    import sys
+    import types
+
+    module = types.ModuleType(name)
+    module.__dict__.update(attributes)
+
+    def missing(attribute: str):
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+
+        def unavailable(*args, **kwargs):
+            raise RuntimeError(f"{name}.{attribute} is a stand-in here (docs/zoo.md, CPU shims): it cannot run")
+        return unavailable
+
+    module.__getattr__ = missing
+    sys.modules.setdefault(name, module)
+

@@ -34,7 +34,7 @@ from harness.known import Known
 from harness.model import ModelCase, Pipelined, load_shards, model_cells, running, switches
 from harness.model.register import model_component
 from harness.registry import register_component
-from harness.zoo import ZooMissing, installed_release, require_release
+from harness.zoo import ZooMissing, installed_release, require_release, stand_in
 
 VERSION = "0.3.0"  # the release the shims and tiny configs are written against
 INSTALL = f"pip install -e '.[torchtitan]' && pip install --no-deps torchtitan=={VERSION}"
@@ -96,21 +96,8 @@ def _shim() -> types.ModuleType:
         raise TorchtitanMissing(f"the torchtitan zoo needs torchtitan {VERSION}, which is not installed: {INSTALL}")
     # before the stand-ins and imports below, which another release's modules would not match
     require_release(TorchtitanMissing, "torchtitan", version(), VERSION, INSTALL, OTHER_RELEASES)
-    kernels = types.ModuleType("torchtitan.distributed.minimal_async_ep.kernels")
-
-    def _needs_triton(name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-
-        def kernel(*args, **kwargs):
-            raise RuntimeError(f"{name} is a triton kernel (GPU only)")
-        return kernel
-
-    kernels.__getattr__ = _needs_triton  # its triton kernels: imported by every model, run by none here
-    sys.modules.setdefault(kernels.__name__, kernels)
-    trainer = types.ModuleType("torchtitan.trainer")  # read for its Trainer.Config only
-    trainer.Trainer = type("Trainer", (), {"Config": type("Config", (), {})})
-    sys.modules.setdefault(trainer.__name__, trainer)
+    stand_in("torchtitan.distributed.minimal_async_ep.kernels")  # triton kernels: imported by every model, run by none
+    stand_in("torchtitan.trainer", Trainer=type("Trainer", (), {"Config": type("Config", (), {})}))  # its Config alone
     try:
         import torchtitan
         import torchtitan.distributed.parallel_dims as parallel_dims
@@ -319,7 +306,7 @@ def _config(model: str, parallelism):
 
 
 def _build(model: str):
-    return _materialised(_on_meta(model))
+    return materialised(_on_meta(model))
 
 
 def _on_meta(model: str):
@@ -334,7 +321,7 @@ def _on_meta(model: str):
         return _config(model, parallelism).build()
 
 
-def _materialised(built):
+def materialised(built):
     """``to_empty`` and ``init_weights``, as the trainer materialises a model (parallelized or not)."""
     built.to_empty(device="cpu")
     with torch.no_grad():
@@ -377,7 +364,6 @@ def share(output, labels):
 
 def _parallelize(model_name: str):
     def parallelize(model, meshes):
-        from torch.distributed.fsdp import FSDPModule
         from torchtitan.config.configs import CompileConfig, TrainingConfig
         from torchtitan.distributed.parallel_dims import ParallelDims
 
@@ -389,8 +375,9 @@ def _parallelize(model_name: str):
         # the trainer's local batch: the global one over the data ranks, one microbatch per sample under pp
         # the trainer's mixed precision (FSDP2's policy, installed on every mesh): parameters kept in fp32,
         # computed in the cell's dtype, gradients reduced in fp32
-        training = TrainingConfig(mixed_precision_param="bfloat16" if running().dtype == torch.bfloat16 else "float32",
-                                  mixed_precision_reduce="float32", local_batch_size=SIZES["batch"] // (dims.dp_replicate * dims.dp_shard))
+        low = running().dtype == torch.bfloat16
+        training = TrainingConfig(mixed_precision_param="bfloat16" if low else "float32", mixed_precision_reduce="float32",
+                                  local_batch_size=SIZES["batch"] // (dims.dp_replicate * dims.dp_shard))
         common = dict(parallel_dims=dims, training=training, parallelism=job, compile_config=CompileConfig(enable=False),
                       ac_config=None, dump_folder=tempfile.gettempdir())
         if dims.pp_enabled:  # the trainer's pipelining_fn: stages split from the model, each parallelized
@@ -404,16 +391,24 @@ def _parallelize(model_name: str):
             # the trainer's order: parallelize on meta, materialise (init_weights re-ties the embedding to
             # the output head), then the start loaded by name as its checkpoint would be; parallelizing
             # the built model instead leaves the two parameters apart
-            made = _materialised(spec.parallelize_fn(_on_meta(model_name), **common))
+            made = materialised(spec.parallelize_fn(_on_meta(model_name), **common))
             load_shards(made, model, {})
         else:
             made = spec.parallelize_fn(model, **common)
-        for part in made.modules if isinstance(made, Pipelined) else [made]:
-            for module in part.modules():  # gloo has no PREMUL_SUM: a plain SUM, the same sum (the factor is 1)
-                if isinstance(module, FSDPModule):
-                    module.set_force_sum_reduction_for_comms(True)
-        return made
+        return plain_sums(made)
     return parallelize
+
+
+def plain_sums(made):
+    """``made`` with each FSDP module reducing by a plain SUM: gloo has no PREMUL_SUM (the factor is 1,
+    the same sum)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in made.modules if isinstance(made, Pipelined) else [made]:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+    return made
 
 
 def case(model: str) -> ModelCase:

@@ -15,7 +15,6 @@ CPU shims, none touching the parallel math: :data:`SHIMS` (the reports list them
 from __future__ import annotations
 
 import dataclasses
-import sys
 import types
 from functools import lru_cache
 from importlib.util import find_spec
@@ -26,9 +25,9 @@ from harness.known import Known
 from harness.model import ModelCase, Pipelined, load_shards, model_cells, running, switches
 from harness.model.register import model_component
 from harness.registry import register_component
-from harness.zoo import installed_release, require_release
+from harness.zoo import require_release, stand_in
 from harness.zoo.torchtitan import (BF16_MESHES, MESHES, SCHEDULES, SIZES, TorchtitanMissing, batch, forward, loss,
-                                    name_of, share)
+                                    materialised, name_of, plain_sums, share, version)
 
 VERSION = "0.2.2"  # the release the shims and tiny args are written against
 INSTALL = f"pip install -e '.[torchtitan]' && pip install --no-deps torchtitan=={VERSION}"
@@ -81,33 +80,17 @@ def _known(cfg) -> Known | None:
     return None
 
 
-def _stand_in(name: str, **attributes) -> None:
-    module = types.ModuleType(name)
-    module.__dict__.update(attributes)
-
-    def missing(attribute: str):
-        if attribute.startswith("__"):
-            raise AttributeError(attribute)
-
-        def unavailable(*args, **kwargs):
-            raise RuntimeError(f"{name}.{attribute} is not available on this CPU stand-in (docs/zoo.md)")
-        return unavailable
-
-    module.__getattr__ = missing
-    sys.modules.setdefault(name, module)
-
-
 @lru_cache(maxsize=1)
 def _shim() -> types.ModuleType:
     """Import torchtitan 0.2 for a CPU, once per process; its ``torchtitan`` package."""
     if find_spec("torchtitan") is None:
         raise TorchtitanMissing(f"the torchtitan zoo needs torchtitan, which is not installed: {INSTALL}")
-    require_release(TorchtitanMissing, "torchtitan", installed_release("torchtitan"), VERSION, INSTALL, {})
-    _stand_in("torchtitan.models.moe.kernels")
-    _stand_in("torchtitan.hf_datasets.text_datasets")
-    sys.modules.setdefault("torchdata", types.ModuleType("torchdata"))
-    _stand_in("torchdata.stateful_dataloader", StatefulDataLoader=type("StatefulDataLoader", (), {}))
-    _stand_in("torch.utils.tensorboard", SummaryWriter=type("SummaryWriter", (), {}))
+    require_release(TorchtitanMissing, "torchtitan", version(), VERSION, INSTALL, {})
+    stand_in("torchtitan.models.moe.kernels")
+    stand_in("torchtitan.hf_datasets.text_datasets")
+    stand_in("torchdata")
+    stand_in("torchdata.stateful_dataloader", StatefulDataLoader=type("StatefulDataLoader", (), {}))
+    stand_in("torch.utils.tensorboard", SummaryWriter=type("SummaryWriter", (), {}))
     import torchtitan
     import torchtitan.distributed.parallel_dims as parallel_dims
     import torchtitan.tools.utils as utils
@@ -120,10 +103,6 @@ def _shim() -> types.ModuleType:
         get_train_spec(spec)
     import torchtitan.components.loss  # noqa: F401
     return torchtitan
-
-
-def version() -> str | None:
-    return installed_release("torchtitan")
 
 
 def _spec(model: str):
@@ -177,13 +156,6 @@ def _on_meta(model: str, job):
         return _spec(model).model_cls(_args(model, job))
 
 
-def _materialised(built):
-    built.to_empty(device="cpu")
-    with torch.no_grad():
-        built.init_weights(buffer_device=torch.device("cpu"))
-    return built
-
-
 def _dims(job, world: int):
     from torchtitan.distributed.parallel_dims import ParallelDims
 
@@ -194,8 +166,6 @@ def _dims(job, world: int):
 
 def _parallelize(model_name: str):
     def parallelize(model, meshes):
-        from torch.distributed.fsdp import FSDPModule
-
         job = _job()
         dims = _dims(job, meshes.spec.world)
         spec = _spec(model_name)
@@ -204,23 +174,19 @@ def _parallelize(model_name: str):
                 _on_meta(model_name, job), dims, job, torch.device("cpu"), _args(model_name, job),
                 spec.parallelize_fn, share)
             for part in parts:
-                _materialised(part)
+                materialised(part)
             made = Pipelined(stages=getattr(schedule, "_stages", None) or [schedule._stage], schedule=schedule)
             for part in parts:
                 load_shards(part, model, {})
         else:  # the trainer's order: parallelized on meta, materialised (re-tying a tied model), the start loaded
-            made = _materialised(spec.parallelize_fn(_on_meta(model_name, job), dims, job))
+            made = materialised(spec.parallelize_fn(_on_meta(model_name, job), dims, job))
             load_shards(made, model, {})
-        for part in made.modules if isinstance(made, Pipelined) else [made]:
-            for module in part.modules():  # gloo has no PREMUL_SUM: a plain SUM, the same sum (the factor is 1)
-                if isinstance(module, FSDPModule):
-                    module.set_force_sum_reduction_for_comms(True)
-        return made
+        return plain_sums(made)
     return parallelize
 
 
 def _build(model: str):
-    return _materialised(_on_meta(model, _job()))
+    return materialised(_on_meta(model, _job()))
 
 
 def case(model: str) -> ModelCase:
