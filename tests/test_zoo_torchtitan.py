@@ -28,11 +28,16 @@ ROOT = Path(__file__).resolve().parent.parent
 EXTRA = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["torchtitan"]
 
 
-def installed_package(python: Path) -> str:
-    """Where ``python``'s torchtitan package is (found, not imported: 0.2's package imports triton)."""
-    return subprocess.run([str(python), "-c", "import importlib.util as u; "
-                           "print(u.find_spec('torchtitan').submodule_search_locations[0])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+def planted_copy(python: Path, tmp_path: Path, cwd: Path | None = None) -> tuple[Path, dict[str, str]]:
+    """A copy of ``python``'s installed torchtitan package to plant bugs in (found, not imported: 0.2's
+    package imports triton), and the environment of a run from ``cwd`` (``tmp_path``) that imports it first."""
+    installed = subprocess.run([str(python), "-c", "import importlib.util as u; "
+                                "print(u.find_spec('torchtitan').submodule_search_locations[0])"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    planted = tmp_path / "planted"
+    shutil.copytree(installed, planted / "torchtitan")
+    env = env_for(cwd or tmp_path)
+    return planted / "torchtitan", dict(env, PYTHONPATH=os.pathsep.join([str(planted), env["PYTHONPATH"]]))
 
 
 def titan_venv(dest: Path, release: str) -> Path:
@@ -100,29 +105,26 @@ def test_bugs_planted_in_torchtitan_are_red_where_fsdp_reduces_and_where_1f1b_pi
     # a copy of the installed torchtitan, first on the path, with FSDP's division left on (gradients 1/dp),
     # and the single-stage schedules (1F1B) dividing the gradients by the microbatches again, though each
     # microbatch's loss is already its share of the global mean (the looped ones, Interleaved1F1B, right)
-    installed = installed_package(titan_python)
-    planted = tmp_path / "planted"
-    shutil.copytree(installed, planted / "torchtitan")
-    fsdp = planted / "torchtitan" / "distributed" / "fsdp.py"
+    project = tmp_path / "project"
+    package, env = planted_copy(titan_python, tmp_path, cwd=project)
+    fsdp = package / "distributed" / "fsdp.py"
     text = fsdp.read_text()
     assert "module.set_gradient_divide_factor(1.0)" in text
     fsdp.write_text(text.replace("module.set_gradient_divide_factor(1.0)", "pass  # planted", 1))
-    pipeline = planted / "torchtitan" / "distributed" / "pipeline_parallel.py"
+    pipeline = package / "distributed" / "pipeline_parallel.py"
     text = pipeline.read_text()
     single = text.index("schedule = schedule_class(\n            stages[0],")
     at = text.index("scale_grads=False", single)
     pipeline.write_text(text[:at] + "scale_grads=True" + text[at + len("scale_grads=False"):])
     # and llama3's FSDP2 policy computing in fp32 whatever mixed_precision_param says: its bf16 cell ran fp32
-    policy = planted / "torchtitan" / "models" / "llama3" / "parallelize.py"
+    policy = package / "models" / "llama3" / "parallelize.py"
     text = policy.read_text()
     assert text.count("param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param]") == 1
     policy.write_text(text.replace("param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param]",
                                           "param_dtype=TORCH_DTYPE_MAP[\"float32\"]"))
-    project = tmp_path / "project"
     project.mkdir()
     (project / "test_zoo.py").write_text(TEST)
     (project / "pytest.ini").write_text("[pytest]\n")
-    env = dict(env_for(project), PYTHONPATH=os.pathsep.join([str(planted), env_for(project)["PYTHONPATH"]]))
     done = subprocess.run([str(titan_python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf"], cwd=project,
                           env=env, capture_output=True, text=True, timeout=600)
     out = done.stdout
@@ -142,15 +144,12 @@ def test_bugs_planted_in_torchtitan_are_red_where_fsdp_reduces_and_where_1f1b_pi
 def test_a_bug_planted_in_torchtitans_expert_parallel_combine_is_red_on_the_ep_cells_alone(titan_python, tmp_path):
     # the all-to-all dispatcher's combine with the routing scores detached: the forward is unchanged, the
     # router's gradient is lost, on cells whose tokens cross ranks (ep > 1, borrowed from dp or from tp)
-    installed = installed_package(titan_python)
-    planted = tmp_path / "planted"
-    shutil.copytree(installed, planted / "torchtitan")
-    dispatcher = planted / "torchtitan" / "models" / "common" / "token_dispatcher.py"
+    package, env = planted_copy(titan_python, tmp_path)
+    dispatcher = package / "models" / "common" / "token_dispatcher.py"
     text = dispatcher.read_text()
     scores = "* metadata.topk_scores_experts_sorted_N.reshape(-1, 1)"
     at = text.index(scores, text.index("class AllToAllTokenDispatcher"))
     dispatcher.write_text(text[:at] + scores.replace("N.reshape", "N.detach().reshape") + text[at + len(scores):])
-    env = dict(env_for(tmp_path), PYTHONPATH=os.pathsep.join([str(planted), env_for(tmp_path)["PYTHONPATH"]]))
     # qwen3 MoE, and deepseek_v3 (multi-head latent attention, a dense first layer, a shared expert)
     done = zoo(titan_python, tmp_path, "--only", "qwen3_moe,deepseek_v3", "--plans", "partial", "--meshes",
                "dp=2;dp=2,tp=2", "-n", "1", "--out", "out", env=env)
@@ -231,14 +230,11 @@ def test_the_release_before_runs_through_its_own_glue_red_where_a_plant_acts(tmp
     two releases. Planted in a copy of 0.2.2: llama3's FSDP division left on (gradients 1/dp); red on
     llama3's dp=2 cell, green on its tp=2 cell and on qwen3's dp=2 cell, whose FSDP is llama4's."""
     python = titan_venv(tmp_path / "venv", RELEASE_BEFORE)
-    installed = installed_package(python)
-    planted = tmp_path / "planted"
-    shutil.copytree(installed, planted / "torchtitan")
-    fsdp = planted / "torchtitan" / "models" / "llama3" / "infra" / "parallelize.py"
+    package, env = planted_copy(python, tmp_path)
+    fsdp = package / "models" / "llama3" / "infra" / "parallelize.py"
     text = fsdp.read_text()  # the call in llama3's apply_fsdp; llama4's, which qwen3 uses, calls it too
     assert text.count("    disable_fsdp_gradient_division(model)\n") == 1
     fsdp.write_text(text.replace("    disable_fsdp_gradient_division(model)\n", "    pass  # planted\n"))
-    env = dict(env_for(tmp_path), PYTHONPATH=os.pathsep.join([str(planted), env_for(tmp_path)["PYTHONPATH"]]))
     done = zoo(python, tmp_path, "--only", "llama3,qwen3", "--meshes", "dp=2;tp=2", "-n", "1", "--out", "out",
                env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
