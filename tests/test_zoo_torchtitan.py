@@ -228,23 +228,27 @@ def test_the_release_before_runs_through_its_own_glue_red_where_a_plant_acts(tmp
     """torchtitan 0.2.2 installed as docs/zoo.md installs 0.3.0: the zoo runs it through its 0.2 glue
     (TrainSpec, JobConfig, explicit ParallelDims), with the same cell ids, so that diff compares the
     two releases. Planted in a copy of 0.2.2: llama3's FSDP division left on (gradients 1/dp); red on
-    llama3's dp=2 cell, green on its tp=2 cell and on qwen3's dp=2 cell, whose FSDP is llama4's."""
+    llama3's dp=2 cell, green on its tp=2 cell and on qwen3's and deepseek_v3's dp=2 cells, whose FSDP
+    is llama4's: deepseek_v3's expert parallel on torchtitan's own CPU permutation, in fp32 and bf16,
+    and its ep borrowed from tp=2 the known crash of 0.2.2, held to its line."""
     python = titan_venv(tmp_path / "venv", RELEASE_BEFORE)
     package, env = planted_copy(python, tmp_path)
     fsdp = package / "models" / "llama3" / "infra" / "parallelize.py"
     text = fsdp.read_text()  # the call in llama3's apply_fsdp; llama4's, which qwen3 uses, calls it too
     assert text.count("    disable_fsdp_gradient_division(model)\n") == 1
     fsdp.write_text(text.replace("    disable_fsdp_gradient_division(model)\n", "    pass  # planted\n"))
-    done = zoo(python, tmp_path, "--only", "llama3,qwen3", "--meshes", "dp=2;tp=2", "-n", "1", "--out", "out",
-               env=env)
+    done = zoo(python, tmp_path, "--only", "llama3,qwen3,deepseek_v3", "--meshes", "dp=2;tp=2", "-n", "1", "--out",
+               "out", env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     found = json.loads((tmp_path / "out" / "zoo.json").read_text())
     assert found["torchtitan"] == RELEASE_BEFORE, found
     cell = "tt{}-partial-{}-fp32-sched_1f1b.sp_{}-steps3-seed0".format
     # 0.2's tp plans always shard the sequence: sp_on alone where tp splits; qwen3 not on tp (NOT_RUN)
+    moe = "ttdeepseekv3-partial-{}-{}-ep_2.sp_{}-steps3-seed0".format
     assert {r["cell"]: r["verdict"] for r in found["cells"]} == {
         cell("llama3", "dp2", "off"): "red", cell("llama3", "tp2", "on"): "pass",
-        cell("qwen3", "dp2", "off"): "pass"}, found["cells"]
+        cell("qwen3", "dp2", "off"): "pass", moe("dp2", "fp32", "off"): "pass", moe("dp2", "bf16", "off"): "pass",
+        moe("tp2", "fp32", "on"): "known"}, found["cells"]
     red = next(r for r in found["cells"] if r["verdict"] == "red")
     assert red["why"].startswith("first diverging module: output (parameter gradients, step 1)"), red
     assert "1/dp" in " ".join(junit_texts(tmp_path / "out" / "junit.xml")[red["cell"]].split()), red
