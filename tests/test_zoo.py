@@ -75,7 +75,8 @@ def test_the_zoo_checks_each_plan_and_skips_what_it_cannot_build(project):
     assert made["harness"].startswith("paritytest ") and made["date"].endswith(" UTC"), made
     page = (project.path / "out" / "zoo.html").read_text()
     assert "<tr><th>inkling2_text</th>" in page and "<tr><th>llama</th>" in page, page[:2000]
-    assert "a declared upstream bug, failing as declared" in page  # the legend
+    assert "a declared upstream bug (or a tolerance limit this machine's kernels cross), failing as declared" \
+        in page  # the legend
     llama = page.split("<tr><th>llama</th>")[1].split("</tr>")[0]
     # no EP plan: its ep square is not shipped; no known bug, so no tpfixed cell: blank
     assert llama.count("not shipped") == 1 and llama.count("<td></td>") == 1, llama

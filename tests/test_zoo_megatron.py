@@ -42,27 +42,36 @@ def bf16_and_fp32(model: str, mesh: str) -> list[str]:
 
 @pytest.mark.slow  # runs a zoo: a pytest process of its own and its pool
 def test_megatrons_own_tp_sp_pipeline_and_expert_parallel_are_green(tmp_path):
-    found = zoo(tmp_path, "--only", "gpt,moe", "--meshes", "dp=2,tp=2;pp=2,tp=2")
-    assert {c: r["verdict"] for c, r in found.items()} == {
-        cell("gpt", "dp2.tp2", "sp_off"): "pass", cell("gpt", "dp2.tp2", "sp_on"): "pass",
-        # pipeline, tp and sequence parallel in fp32 and bf16 (the model in bf16 on fp32 main parameters)
-        **{c: "pass" for c in bf16_and_fp32("gpt", "pp2.tp2")},
+    found = zoo(tmp_path, "--only", "gpt,moe", "--meshes", "pp=2,tp=2;pp=2,dp=2")
+    moe = {  # both schedules of each: pipeline, tp, sequence parallel and the experts' ep and etp at once
         # Megatron runs MoE under tp with sequence parallelism only, and its all-to-all dispatcher
         # with the experts over tp's ranks not on gloo (NOT_RUN)
         # the experts split over tp's ranks (etp=2, Megatron's default) or whole on each (etp=1); with
         # ep=1 and etp=1 Megatron 0.16 leaves their gradients unreduced over tp (KNOWN_EXPERTS_OVER_TP)
-        cell("moe", "dp2.tp2", "dispatcher_allgather.ep_1.etp_2.sp_on"): "pass",
-        cell("moe", "dp2.tp2", "dispatcher_allgather.ep_1.etp_1.sp_on"): "known",
-        cell("moe", "dp2.tp2", "dispatcher_allgather.ep_2.etp_2.sp_on"): "pass",
-        cell("moe", "dp2.tp2", "dispatcher_allgather.ep_2.etp_1.sp_on"): "pass",
-        cell("moe", "dp2.tp2", "dispatcher_alltoall.ep_1.etp_1.sp_on"): "known",
-        cell("moe", "dp2.tp2", "dispatcher_alltoall.ep_2.etp_1.sp_on"): "pass",
-        # ep borrowing tp's ranks too, the experts whole (etp 1): every rank its own experts
-        cell("moe", "dp2.tp2", "dispatcher_allgather.ep_4.etp_1.sp_on"): "pass",
-        cell("moe", "dp2.tp2", "dispatcher_alltoall.ep_4.etp_1.sp_on"): "pass"}, found
+        "dispatcher_allgather.ep_1.etp_2.sp_on": "pass", "dispatcher_allgather.ep_1.etp_1.sp_on": "known",
+        "dispatcher_alltoall.ep_1.etp_1.sp_on": "known",
+        # ep borrowing tp's ranks, the experts whole (etp 1): every rank its own experts
+        "dispatcher_allgather.ep_2.etp_1.sp_on": "pass", "dispatcher_alltoall.ep_2.etp_1.sp_on": "pass"}
+    # ep over dp under the pipeline, in bf16 too, where a handful of the experts' gradient elements cross
+    # the tolerance's limit or not by the CPU's bf16 kernels (KNOWN_BF16_EXPERTS, non-strict): known where
+    # they cross, a pass (not "fixed") where they do not; never red
+    bf16 = {cell("moe", "pp2.dp2", f"dispatcher_{d}.ep_2.sp_off", sched, "bf16")
+            for d in ("allgather", "alltoall") for sched in ("1f1b", "interleaved")}
+    assert {c: r["verdict"] for c, r in found.items() if c not in bf16} == {
+        # pipeline, tp and sequence parallel in fp32 and bf16 (the model in bf16 on fp32 main parameters)
+        **{c: "pass" for c in bf16_and_fp32("gpt", "pp2.tp2")},
+        **{cell("gpt", "pp2.dp2", "sp_off", sched, dtype): "pass" for sched in ("1f1b", "interleaved")
+           for dtype in ("fp32", "bf16")},
+        **{cell("moe", "pp2.tp2", switches, sched): verdict for switches, verdict in moe.items()
+           for sched in ("1f1b", "interleaved")},
+        **{cell("moe", "pp2.dp2", f"dispatcher_{d}.ep_2.sp_off", sched): "pass"
+           for d in ("allgather", "alltoall") for sched in ("1f1b", "interleaved")}}, found
+    for c in bf16:
+        assert found[c]["verdict"] == "pass" or (found[c]["verdict"] == "known" and found[c]["why"].startswith(
+            "the tolerance policy's declared limit for MoE expert gradients in bf16")), found[c]
     # a known cell's reproduction: the zoo's command, then the torch-and-megatron-core-only script
-    assert found[cell("moe", "dp2.tp2", "dispatcher_alltoall.ep_1.etp_1.sp_on")]["reproduce"] == (
-        "python -m harness.zoo megatron --only moe --plans ddp --meshes 'dp=2,tp=2'; "
+    assert found[cell("moe", "pp2.tp2", "dispatcher_alltoall.ep_1.etp_1.sp_on")]["reproduce"] == (
+        "python -m harness.zoo megatron --only moe --plans ddp --meshes 'pp=2,tp=2'; "
         "torchrun --nproc-per-node 2 docs/megatron_repro.py --etp 1"), found
     # what the zoo cannot run here and what it changed for a CPU, each with why, in each report
     table, page = ((tmp_path / "out" / f"zoo.{kind}").read_text() for kind in ("md", "html"))

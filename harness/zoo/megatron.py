@@ -48,9 +48,12 @@ MICROBATCHES = 4
 SCHEDULES = ("1f1b", "interleaved")
 VIRTUAL = 2
 MESHES = ("tp=2", "dp=2", "dp=2,tp=2", "tp=4", "dp=4", "pp=2", "pp=2,dp=2", "pp=2,tp=2")
-# the meshes whose cells run in bf16 too, beside fp32: pp=2,tp=2 (the dense models': tp, sequence parallel
-# and the pipeline's bf16 activations) and pp=2,dp=2 (every model's: dp, the MoE models' ep, the pipeline)
+# the meshes whose dense models' cells run in bf16 too, beside fp32: pp=2,tp=2 (tp, sequence parallel and the
+# pipeline's bf16 activations) and pp=2,dp=2 (dp and the pipeline)
 BF16_MESHES = ("pp=2,tp=2", "pp=2,dp=2")
+# the MoE models' bf16 meshes: pp=2,dp=2 (ep over dp, the pipeline) and dp=2,tp=2 (ep over dp or tp's ranks, the
+# experts over tp's ranks or whole); their expert gradients sit at a tolerance limit: KNOWN_BF16_EXPERTS
+BF16_MOE_MESHES = ("pp=2,dp=2", "dp=2,tp=2")
 # where a sharded GPTModel's layers keep their pieces of the whole model's tensors, over tp, and a
 # routed expert's over the expert-tensor-parallel ranks (etp: tp's own when the cell's etp is tp, whole
 # on every rank when it is 1): the column-parallel layers on dim 0 (fc1 as [gate; up] of each rank's
@@ -78,8 +81,8 @@ NOT_RUN = {
                                                                          "needs over the experts' tp ranks; with "
                                                                          "them whole (etp 1) it runs",
     "multi-latent attention, Transformer Engine specs": "they need Transformer Engine (CUDA)",
-    "bf16 on the other meshes": "BF16_MESHES (pp=2,tp=2 and pp=2,dp=2) run it, to keep the zoo's "
-                                "time",
+    "bf16 on the other meshes": "BF16_MESHES (pp=2,tp=2 and pp=2,dp=2; the MoE models' pp=2,dp=2 and dp=2,tp=2) "
+                                "run it, to keep the zoo's time",
     "expert biases": "an upstream bug: with add_bias_linear an expert's MLP.forward adds its bias in place "
                      "(output += output_bias * per_token_scale, megatron/core/transformer/mlp.py) to linear_fc2's "
                      "output, a view _ReduceFromModelParallelRegion returns: autograd refuses it, on one process "
@@ -261,8 +264,8 @@ EXPERT_DEGREES = ("1", "2", "4")  # the MoE models' ``ep`` and ``etp`` switches
 DISPATCHERS = ("allgather", "alltoall")  # the MoE models' token dispatchers (their ``dispatcher`` switch)
 # the MoE models' meshes: (mesh, ep), ep borrowed from the data ranks as Megatron borrows it, and past them
 # from tp's (tp=2 ep=2, dp=2,tp=2 ep=4) with the experts whole on each rank (etp 1: _expert_switches)
-MOE_MESHES = (("pp=2,dp=2", "2"), ("dp=2", "1"), ("dp=2", "2"), ("dp=4", "4"), ("dp=4", "2"), ("dp=2,tp=2", "1"),
-              ("dp=2,tp=2", "2"), ("dp=2,tp=2", "4"), ("tp=2", "1"), ("tp=2", "2"))
+MOE_MESHES = (("pp=2,dp=2", "2"), ("pp=2,tp=2", "1"), ("pp=2,tp=2", "2"), ("dp=2", "1"), ("dp=2", "2"), ("dp=4", "4"),
+              ("dp=4", "2"), ("dp=2,tp=2", "1"), ("dp=2,tp=2", "2"), ("dp=2,tp=2", "4"), ("tp=2", "1"), ("tp=2", "2"))
 
 
 # Megatron-Core bugs the zoo found, by the release series that have them: their cells run as strict
@@ -277,13 +280,28 @@ KNOWN_EXPERTS_OVER_TP = (
     r"\(parameter gradients, step 1\).*their all-reduce over tp is missing")
 
 
+# not Megatron's: a limit of the tolerance policy that bf16 MoE cells meet or not by the CPU's kernels (a
+# non-strict declaration: a pass where the cell matches, known where it crosses in the way declared)
+KNOWN_BF16_EXPERTS = (
+    "the tolerance policy's declared limit for MoE expert gradients in bf16 (docs/bisect-and-explore.md), not "
+    "Megatron's: a handful of elements of an expert's gradients from step 2 on cross it or not by the CPU's bf16 "
+    "kernels (with AVX512-BF16 and AMX, 2026-12-07: 1 to 16 elements of 8192 to 16384 at err/tol 1.0 to 2.8, norm "
+    "ratio 0.99 to 1.04, on pp=2,dp=2 1F1B and with the experts over tp's ranks; none on 2026-12-06's machine); "
+    "each cell's fp32 twin judges the same parallel code",
+    r"^ *step[2-9]/grad/\S*local_experts\.\d+\.linear_fc\d\.weight mismatch")
+
+
 def _known(cfg) -> Known | None:
-    """Why a cell of an MoE model fails in this Megatron-Core release, or None."""
+    """Why a cell of an MoE model fails in this Megatron-Core release, or None: the experts' reduction
+    over tp (Megatron's), or, in bf16, the tolerance's limit for expert gradients (non-strict)."""
     series, reason, shows = KNOWN_EXPERTS_OVER_TP
     switched, installed = dict(cfg.switches), version() or ""
     if (installed.startswith(series + ".") and dict(cfg.mesh).get("tp", 1) > 1 and switched.get("ep", "1") == "1"
             and switched.get("etp", "1") == "1"):
         return Known(f"megatron-core {installed}: {reason}", shows=shows)
+    if cfg.dtype == "bf16":
+        reason, shows = KNOWN_BF16_EXPERTS
+        return Known(reason, shows=shows, strict=False)
     return None
 
 
@@ -539,10 +557,10 @@ def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = PLANS,
             # Megatron refuses MoE under tp without sequence parallelism ("performance may degrade")
             sp = ["on"] if model in MOE and "tp=" in mesh else ["off", "on"] if "tp=" in mesh else ["off"]
             sched = list(SCHEDULES) if "pp=" in mesh else list(SCHEDULES[:1])
+            low = mesh in (BF16_MOE_MESHES if model in MOE else BF16_MESHES)
             for own in _expert_switches(mesh, ep) if model in MOE else [{}]:
                 out += model_cells(name_of(model), impls=list(plans), meshes=[mesh],
-                                   dtypes=["fp32", "bf16"] if mesh in BF16_MESHES else ["fp32"],
-                                   switches={"sched": sched, "sp": sp, **own})
+                                   dtypes=["fp32", "bf16"] if low else ["fp32"], switches={"sched": sched, "sp": sp, **own})
     if not out:
         raise ValueError(f"no cell of {', '.join(only or CONFIGS)} on {'; '.join(meshes)}: the MoE models run "
                          f"{'; '.join(sorted({m[0] for m in MOE_MESHES}))}")
