@@ -28,7 +28,7 @@ def zoo(project, *args):
 def test_the_zoo_checks_each_plan_and_skips_what_it_cannot_build(project):
     pytest.importorskip("transformers", reason="pip install -e '.[thirdparty]'")
     done = zoo(project, "--only", "llama,qwen3_moe,llama4,apertus,inkling2_text,gemma,step3p5",
-               "--plans", "tp,ep", "-n", "1", "--out", "out")
+               "--plans", "tp,ep", "-n", "0", "--out", "out")
     assert done.returncode == 0, done.tail
     cells = {r["cell"]: r for r in json.loads((project.path / "out" / "zoo.json").read_text())["cells"]}
     verdicts = {cell: r["verdict"] for cell, r in cells.items()}
@@ -75,7 +75,7 @@ def test_the_zoo_checks_each_plan_and_skips_what_it_cannot_build(project):
     assert made["harness"].startswith("paritytest ") and made["date"].endswith(" UTC"), made
     page = (project.path / "out" / "zoo.html").read_text()
     assert "<tr><th>inkling2_text</th>" in page and "<tr><th>llama</th>" in page, page[:2000]
-    assert "a declared upstream bug (or a tolerance limit this machine's kernels cross), failing as declared" \
+    assert "a declared upstream bug (or a tolerance limit these kernels cross), failing as declared" \
         in page  # the legend
     llama = page.split("<tr><th>llama</th>")[1].split("</tr>")[0]
     # no EP plan: its ep square is not shipped; no known bug, so no tpfixed cell: blank

@@ -67,7 +67,7 @@ def test_qwen3_untied_and_tied_under_its_own_parallelize_are_green_on_both_backe
     # the tied one in the trainer's order (parallelized on meta, init_weights re-ties, the start loaded by
     # name): parallelizing the built model instead leaves the two apart, red on tp=2 at tok_embeddings.
     # dp=2,tp=2 is a BF16_MESHES mesh: each cell in fp32 and in the trainer's bf16 mixed precision too
-    done = zoo(titan_python, tmp_path, "--only", "qwen3,qwen3_tied", "--meshes", "dp=2,tp=2", "-n", "1",
+    done = zoo(titan_python, tmp_path, "--only", "qwen3,qwen3_tied", "--meshes", "dp=2,tp=2", "-n", "0",
                "--out", "out")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     found = json.loads((tmp_path / "out" / "zoo.json").read_text())
@@ -152,7 +152,7 @@ def test_a_bug_planted_in_torchtitans_expert_parallel_combine_is_red_on_the_ep_c
     dispatcher.write_text(text[:at] + scores.replace("N.reshape", "N.detach().reshape") + text[at + len(scores):])
     # qwen3 MoE, and deepseek_v3 (multi-head latent attention, a dense first layer, a shared expert)
     done = zoo(titan_python, tmp_path, "--only", "qwen3_moe,deepseek_v3", "--plans", "partial", "--meshes",
-               "dp=2;dp=2,tp=2", "-n", "1", "--out", "out", env=env)
+               "dp=2;dp=2,tp=2", "-n", "0", "--out", "out", env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     found = {r["cell"]: r for r in json.loads((tmp_path / "out" / "zoo.json").read_text())["cells"]}
     verdicts = {}
@@ -237,7 +237,7 @@ def test_the_release_before_runs_through_its_own_glue_red_where_a_plant_acts(tmp
     text = fsdp.read_text()  # the call in llama3's apply_fsdp; llama4's, which qwen3 uses, calls it too
     assert text.count("    disable_fsdp_gradient_division(model)\n") == 1
     fsdp.write_text(text.replace("    disable_fsdp_gradient_division(model)\n", "    pass  # planted\n"))
-    done = zoo(python, tmp_path, "--only", "llama3,qwen3,deepseek_v3", "--meshes", "dp=2;tp=2", "-n", "1", "--out",
+    done = zoo(python, tmp_path, "--only", "llama3,qwen3,deepseek_v3", "--meshes", "dp=2;tp=2", "-n", "0", "--out",
                "out", env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     found = json.loads((tmp_path / "out" / "zoo.json").read_text())

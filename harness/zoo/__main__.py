@@ -91,7 +91,8 @@ def counts(found: list[dict]) -> str:
 
 # what each verdict means, for the page's legend
 MEANINGS = {"pass": "matches one process", "red": "diverges: where it starts", "crash": "a rank raised or hung",
-            "skip": "not run here: why", "known": "a declared upstream bug (or a tolerance limit this machine's kernels cross), failing as declared",
+            "skip": "not run here: why",
+            "known": "a declared upstream bug (or a tolerance limit these kernels cross), failing as declared",
             "fixed": "declared, but matches now: its entry can go"}
 
 
