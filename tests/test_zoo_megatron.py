@@ -44,13 +44,13 @@ def bf16_and_fp32(model: str, mesh: str) -> list[str]:
 def test_megatrons_own_tp_sp_pipeline_and_expert_parallel_are_green(tmp_path):
     found = zoo(tmp_path, "--only", "gpt,moe", "--meshes", "pp=2,tp=2;pp=2,dp=2")
     moe = {  # both schedules of each: pipeline, tp, sequence parallel and the experts' ep and etp at once
-        # Megatron runs MoE under tp with sequence parallelism only, and its all-to-all dispatcher
-        # with the experts over tp's ranks not on gloo (NOT_RUN)
+        # Megatron runs MoE under tp with sequence parallelism only
         # the experts split over tp's ranks (etp=2, Megatron's default) or whole on each (etp=1); with
         # ep=1 and etp=1 Megatron 0.16 leaves their gradients unreduced over tp (KNOWN_EXPERTS_OVER_TP)
         "dispatcher_allgather.ep_1.etp_2.sp_on": "pass", "dispatcher_allgather.ep_1.etp_1.sp_on": "known",
-        "dispatcher_alltoall.ep_1.etp_1.sp_on": "known",
-        # ep borrowing tp's ranks, the experts whole (etp 1): every rank its own experts
+        "dispatcher_alltoall.ep_1.etp_2.sp_on": "pass", "dispatcher_alltoall.ep_1.etp_1.sp_on": "known",
+        # ep borrowing tp's ranks, the experts whole (etp 1): every rank its own experts (all-to-all with
+        # them over tp's ranks and ep above 1 needs an uneven all_gather, which gloo has not: NOT_RUN)
         "dispatcher_allgather.ep_2.etp_1.sp_on": "pass", "dispatcher_alltoall.ep_2.etp_1.sp_on": "pass"}
     # ep over dp under the pipeline, in bf16 too, where a handful of the experts' gradient elements cross
     # the tolerance's limit or not by the CPU's bf16 kernels (KNOWN_BF16_EXPERTS, non-strict): known where
@@ -76,7 +76,7 @@ def test_megatrons_own_tp_sp_pipeline_and_expert_parallel_are_green(tmp_path):
     # what the zoo cannot run here and what it changed for a CPU, each with why, in each report
     table, page = ((tmp_path / "out" / f"zoo.{kind}").read_text() for kind in ("md", "html"))
     not_run, shims = table.split("## Not run here")[-1].split("## CPU shims, none touching the parallel math")
-    assert "| all-to-all dispatcher with the experts over tp's ranks (etp = tp) | gloo has no uneven all_gather," \
+    assert "| all-to-all dispatcher with the experts over tp's ranks (etp = tp) and ep above 1 | gloo has no uneven " \
         in not_run, table
     assert "| moe_utils.te_general_gemm | None: it is defined only by Transformer Engine's import" in shims, table
     assert "<h2>Not run here</h2>" in page and "<td>the causal mask</td>" in page, page[-3000:]
@@ -128,6 +128,7 @@ def test_bugs_planted_in_megatron_are_red_where_they_act_and_named_where_they_st
                                   cell("moe", "dp2", "dispatcher_allgather.ep_2.sp_off"),
                                   cell("moe", "tp2", "dispatcher_allgather.ep_1.etp_2.sp_on"),
                                   cell("moe", "tp2", "dispatcher_allgather.ep_1.etp_1.sp_on"),
+                                  cell("moe", "tp2", "dispatcher_alltoall.ep_1.etp_2.sp_on"),
                                   cell("moe", "tp2", "dispatcher_alltoall.ep_1.etp_1.sp_on"),
                                   cell("moe", "tp2", "dispatcher_allgather.ep_2.etp_1.sp_on"),
                                   cell("moe", "tp2", "dispatcher_alltoall.ep_2.etp_1.sp_on")]), found
@@ -139,7 +140,8 @@ def test_bugs_planted_in_megatron_are_red_where_they_act_and_named_where_they_st
         cell("moe", "dp2", "dispatcher_alltoall.ep_1.sp_off"), cell("moe", "dp2", "dispatcher_alltoall.ep_2.sp_off")}, found
     # the known cell (ep 1, etp 1) fails first where the plant acts, not at its declared line: red
     for sp in (cell("gpt", "tp2", "sp_on"), *(cell("moe", "tp2", f"dispatcher_{d}.ep_{ep}.etp_{etp}.sp_on") for d, ep, etp
-                                              in (("allgather", 1, 2), ("allgather", 1, 1), ("alltoall", 1, 1),
+                                              in (("allgather", 1, 2), ("allgather", 1, 1), ("alltoall", 1, 2),
+                                                  ("alltoall", 1, 1),
                                                   ("allgather", 2, 1), ("alltoall", 2, 1)))):
         assert red[sp].startswith("first diverging module: decoder.final_layernorm (parameter gradients, step 1)") \
             and "partial sums over tp (summed they match the reference): their all-reduce over tp is missing" in red[sp], \
@@ -188,6 +190,7 @@ def test_the_known_expert_reduction_bug_is_fixed_by_its_upstream_fix_alone(tmp_p
     assert {c: r["verdict"] for c, r in found.items()} == {
         cell("moe", "tp2", "dispatcher_allgather.ep_1.etp_2.sp_on"): "pass",
         cell("moe", "tp2", "dispatcher_allgather.ep_1.etp_1.sp_on"): "fixed",
+        cell("moe", "tp2", "dispatcher_alltoall.ep_1.etp_2.sp_on"): "pass",
         cell("moe", "tp2", "dispatcher_alltoall.ep_1.etp_1.sp_on"): "fixed",
         # ep over tp's ranks takes the expert groups with or without the fix
         cell("moe", "tp2", "dispatcher_allgather.ep_2.etp_1.sp_on"): "pass",

@@ -77,9 +77,13 @@ OTHER_RELEASES = {
 }
 # registry models the zoo cannot run here, with why
 NOT_RUN = {
-    "all-to-all dispatcher with the experts over tp's ranks (etp = tp)": "gloo has no uneven all_gather, which it "
-                                                                         "needs over the experts' tp ranks; with "
-                                                                         "them whole (etp 1) it runs",
+    "all-to-all dispatcher with the experts over tp's ranks (etp = tp) and ep above 1": "gloo has no uneven "
+                                                                                         "all_gather, which it needs "
+                                                                                         "over the experts' tp ranks "
+                                                                                         "(ProcessGroupGloo::allgather: "
+                                                                                         "invalid tensor size); with "
+                                                                                         "ep 1, or the experts whole "
+                                                                                         "(etp 1), it runs",
     "multi-latent attention, Transformer Engine specs": "they need Transformer Engine (CUDA)",
     "bf16 on the other meshes": "BF16_MESHES (pp=2,tp=2 and pp=2,dp=2; the MoE models' pp=2,dp=2 and dp=2,tp=2) "
                                 "run it, to keep the zoo's time",
@@ -525,9 +529,9 @@ def name_of(model: str) -> str:
 
 def _expert_switches(mesh: str, ep: str) -> list[dict[str, list[str]]]:
     """An MoE model's expert switches on ``mesh`` with ``ep``: both dispatchers without tp; where tp
-    splits, the allgather one with the experts over tp's ranks (etp = tp) and whole on each (etp 1),
-    and the all-to-all one with them whole alone (over tp's ranks it needs an uneven all_gather, which
-    gloo has not: NOT_RUN)."""
+    splits, the experts over tp's ranks (etp = tp) and whole on each (etp 1), the all-to-all dispatcher
+    with them over tp's ranks only where ep is 1 (with ep above 1 it needs an uneven all_gather over
+    them, which gloo has not: NOT_RUN)."""
     degrees = dict(mesh_dims(mesh))
     if "tp" not in degrees:
         return [{"ep": [ep], "dispatcher": list(DISPATCHERS)}]
@@ -536,7 +540,7 @@ def _expert_switches(mesh: str, ep: str) -> list[dict[str, list[str]]]:
     block, tp = degrees.get("dp", 1) * degrees["tp"], degrees["tp"]
     etps = [str(etp) for etp in (tp, 1) if block % (int(ep) * etp) == 0]
     return [{"ep": [ep], "dispatcher": ["allgather"], "etp": etps},
-            {"ep": [ep], "dispatcher": ["alltoall"], "etp": ["1"]}]
+            {"ep": [ep], "dispatcher": ["alltoall"], "etp": etps if ep == "1" else ["1"]}]
 
 
 def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = PLANS,
