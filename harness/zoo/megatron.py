@@ -77,13 +77,9 @@ OTHER_RELEASES = {
 }
 # registry models the zoo cannot run here, with why
 NOT_RUN = {
-    "all-to-all dispatcher with the experts over tp's ranks (etp = tp) and ep above 1": "gloo has no uneven "
-                                                                                         "all_gather, which it needs "
-                                                                                         "over the experts' tp ranks "
-                                                                                         "(ProcessGroupGloo::allgather: "
-                                                                                         "invalid tensor size); with "
-                                                                                         "ep 1, or the experts whole "
-                                                                                         "(etp 1), it runs",
+    "all-to-all dispatcher with the experts over tp's ranks (etp = tp) and ep above 1":
+        "gloo has no uneven all_gather, which it needs over the experts' tp ranks (ProcessGroupGloo::allgather: "
+        "invalid tensor size); with ep 1, or the experts whole (etp 1), it runs",
     "multi-latent attention, Transformer Engine specs": "they need Transformer Engine (CUDA)",
     "bf16 on the other meshes": "BF16_MESHES (pp=2,tp=2 and pp=2,dp=2; the MoE models' pp=2,dp=2 and dp=2,tp=2) "
                                 "run it, to keep the zoo's time",
@@ -564,7 +560,8 @@ def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = PLANS,
             low = mesh in (BF16_MOE_MESHES if model in MOE else BF16_MESHES)
             for own in _expert_switches(mesh, ep) if model in MOE else [{}]:
                 out += model_cells(name_of(model), impls=list(plans), meshes=[mesh],
-                                   dtypes=["fp32", "bf16"] if low else ["fp32"], switches={"sched": sched, "sp": sp, **own})
+                                   dtypes=["fp32", "bf16"] if low else ["fp32"],
+                                   switches={"sched": sched, "sp": sp, **own})
     if not out:
         raise ValueError(f"no cell of {', '.join(only or CONFIGS)} on {'; '.join(meshes)}: the MoE models run "
                          f"{'; '.join(sorted({m[0] for m in MOE_MESHES}))}")

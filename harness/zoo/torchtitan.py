@@ -57,14 +57,12 @@ NOT_RUN = {
     "qwen3 tied, pp meshes": "torchtitan ties no weights under pipeline parallel (NotImplementedError)",
     "kimi_k2_7, full_dtensor": "its parallelize_kimi_k2_5 raises NotImplementedError('full_dtensor is not "
                                "supported yet'); its vision encoder (the zoo trains its language model alone)",
-    "qwen3 moe, full_dtensor, rep=2,dp=2,tp=2 with ep=2": "not a hang: past the 300 s deadline every rank is still in "
-                                                         "DTensor's sharding propagation of the MoE router's Linear "
-                                                         "(models/common/moe.py, under full_dtensor's "
-                                                         "forward_with_redistribution), whose redistribute_cost plans "
-                                                         "each candidate strategy's path with the graph search "
-                                                         "find_min_cost_path (torch/distributed/tensor/_redistribute.py); "
-                                                         "torch 2.13's CPU cost on this mesh, no collective waiting "
-                                                         "(partial_dtensor passes the same mesh)",
+    "qwen3 moe, full_dtensor, rep=2,dp=2,tp=2 with ep=2":
+        "not a hang: past the 300 s deadline every rank is still in DTensor's sharding propagation of the MoE "
+        "router's Linear (models/common/moe.py, under full_dtensor's forward_with_redistribution), whose "
+        "redistribute_cost plans each candidate strategy's path with the graph search find_min_cost_path "
+        "(torch/distributed/tensor/_redistribute.py); torch 2.13's CPU cost on this mesh, no collective waiting "
+        "(partial_dtensor passes the same mesh)",
     "gpt_oss, qwen3_5": "their attention needs FlexAttention's sinks or a kernel with no CPU backward",
     "flux, muse_glimmer": "not token-id language models",
     "pp meshes, full_dtensor": "its first stage takes the inputs as the DTensors the trainer's "
@@ -382,7 +380,8 @@ def _parallelize(model_name: str):
         # the trainer's mixed precision (FSDP2's policy, installed on every mesh): parameters kept in fp32,
         # computed in the cell's dtype, gradients reduced in fp32
         low = running().dtype == torch.bfloat16
-        training = TrainingConfig(mixed_precision_param="bfloat16" if low else "float32", mixed_precision_reduce="float32",
+        training = TrainingConfig(mixed_precision_param="bfloat16" if low else "float32",
+                                  mixed_precision_reduce="float32",
                                   local_batch_size=SIZES["batch"] // (dims.dp_replicate * dims.dp_shard))
         common = dict(parallel_dims=dims, training=training, parallelism=job, compile_config=CompileConfig(enable=False),
                       ac_config=None, dump_folder=tempfile.gettempdir())

@@ -175,15 +175,12 @@ def _permutation_on_cpu() -> None:
 
 
 def _histc_of_integers(histc):
-    """``torch.histc`` that counts integers on a CPU as a GPU does (the router's tokens per expert)."""
-    if getattr(histc, "counts_integers", False):
-        return histc
-
+    """``torch.histc`` that counts integers on a CPU as a GPU does (the router's tokens per expert);
+    installed once, by :func:`_shim`."""
     def counted(input, bins=100, min=0, max=0, *, out=None):
         if out is None and not input.is_floating_point() and input.device.type == "cpu":
             return histc(input.double(), bins=bins, min=min, max=max).to(input.dtype)
         return histc(input, bins=bins, min=min, max=max, out=out)
-    counted.counts_integers = True
     return counted
 
 
@@ -228,15 +225,17 @@ def _args(model: str, job):
     the trainer updates them."""
     _, flavor, own = SPECS[model]
     start, s = _spec(model).model_args[flavor], SIZES
-    tiny = dict(dim=s["dim"], n_layers=s["layers"], n_heads=s["heads"], n_kv_heads=s["kv_heads"], vocab_size=s["vocab"],
-                head_dim=s["dim"] // s["heads"], hidden_dim=2 * s["dim"], inter_dim=2 * s["dim"], moe_inter_dim=s["dim"],
+    tiny = dict(dim=s["dim"], n_layers=s["layers"], n_heads=s["heads"], n_kv_heads=s["kv_heads"],
+                vocab_size=s["vocab"], head_dim=s["dim"] // s["heads"], hidden_dim=2 * s["dim"],
+                inter_dim=2 * s["dim"], moe_inter_dim=s["dim"],
                 kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
     changes = {name: value for name, value in tiny.items() if name in {f.name for f in dataclasses.fields(start)}}
     if model in MOE:
         moe = start.moe_args
         # use_grouped_mm off (SHIMS): as deepseek_v3's and llama4's args turn it off without an SM90 GPU
         changes["moe_args"] = dataclasses.replace(moe, num_experts=s["experts"], top_k=min(moe.top_k, s["top_k"]),
-                                                  num_shared_experts=min(moe.num_shared_experts, 1), use_grouped_mm=False)
+                                                  num_shared_experts=min(moe.num_shared_experts, 1),
+                                                  use_grouped_mm=False)
     args = dataclasses.replace(start, **changes, **own)
     args.update_from_config(job)
     return args
@@ -315,7 +314,8 @@ def zoo_cells(only: list[str] | None = None, plans: tuple[str, ...] = PLANS,
                 continue  # NOT_RUN says why
             own = {"ep": [ep]} if model in MOE else {"sched": list(SCHEDULES) if "pp=" in mesh else ["1f1b"]}
             low = (mesh, ep) in BF16_MOE_MESHES if model in MOE else mesh in BF16_MESHES
-            out += model_cells(name_of(model), impls=["partial"], meshes=[mesh], dtypes=["fp32", "bf16"] if low else ["fp32"],
+            out += model_cells(name_of(model), impls=["partial"], meshes=[mesh],
+                               dtypes=["fp32", "bf16"] if low else ["fp32"],
                                switches={"sp": ["on"] if "tp=" in mesh else ["off"], **own})
     if not out:
         raise ValueError(f"no cell of {', '.join(only or SPECS)} on {'; '.join(meshes)} in torchtitan {VERSION}")
