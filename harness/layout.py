@@ -166,6 +166,9 @@ class Shard:
     (a sparse dim borrowed from a dense one, e.g. experts over ep=2 inside dp=4 in dp2ep).
     ``on``: the coordinates (negative counts from the end) that each hold the whole dim, as replicas;
     the others hold none of it (a pipeline's embedding on the first stage, its head on the last).
+    ``within``: the mesh dim whose shard of the same tensor dim this one cuts further, applied after
+    it whatever the mesh's order (FSDP2 over TP: dp's shard cuts each tp shard, torch's
+    ``_StridedShard``); nested shards otherwise apply in mesh order.
     """
 
     dim: int
@@ -173,6 +176,7 @@ class Shard:
     zigzag: bool = False
     inner: int = 0
     on: tuple[int, ...] = ()
+    within: str = ""
 
 
 def chunk_bounds(size: int, n: int, i: int) -> tuple[int, int]:
@@ -246,7 +250,8 @@ def _run(index: torch.Tensor) -> slice | None:
 
 
 def piece_index(piece: Piece, layout: MeshLayout, rank: int) -> list[torch.Tensor]:
-    """Per tensor dim, the logical indices that ``rank``'s piece covers (nested shards apply in mesh order)."""
+    """Per tensor dim, the logical indices that ``rank``'s piece covers (nested shards apply in mesh
+    order, but for one cut ``within`` another's)."""
     return list(_placed(piece.shape, tuple(piece.placements.items()), layout, rank)[0])
 
 
@@ -257,9 +262,16 @@ def _placed(shape: tuple[int, ...], placements: tuple, layout: MeshLayout, rank:
     import torch
 
     index = [torch.arange(s) for s in shape]
-    coords = layout.coords(rank)
     given = dict(placements)
-    for name, n, c in zip(layout.names, layout.shape, coords):
+    order = list(zip(layout.names, layout.shape, layout.coords(rank)))
+    for name, shard in given.items():  # a shard cut within another dim's applies right after that one
+        if shard.within:
+            if shard.within not in layout.names or name not in layout.names:
+                raise ValueError(f"Shard(within={shard.within!r}) on {name}: both must be dims of {layout.id}")
+            entry = next(e for e in order if e[0] == name)
+            order.remove(entry)
+            order.insert(next(i for i, e in enumerate(order) if e[0] == shard.within) + 1, entry)
+    for name, n, c in order:
         shard = given.get(name)
         if shard is not None:
             index[shard.dim] = shard_indices(index[shard.dim], shard, n, c)

@@ -4,7 +4,7 @@ import itertools
 import pytest
 import torch
 
-from harness.layout import AssemblyError, MeshLayout, Piece, Shard, assemble, chunk_bounds, take
+from harness.layout import AssemblyError, MeshLayout, Piece, Shard, assemble, chunk_bounds, piece_index, take
 
 LAYOUTS = [(("tp",), (1,)), (("tp",), (3,)), (("dp", "tp"), (2, 4)), (("dp", "tp"), (4, 2)), (("a", "b", "c"), (2, 3, 2))]
 
@@ -52,6 +52,21 @@ def test_take_then_assemble_restores_the_tensor(placements, mesh):
         pieces[r] = Piece(local, tuple(full.shape), placements)
     out = assemble("x", pieces, layout)
     assert torch.equal(out.tensor, full) and out.replica_gap == 0.0
+
+
+def test_a_shard_cut_within_another_applies_after_it_whatever_the_mesh_order():
+    """FSDP2 over TP (torch's _StridedShard): tp cuts the rows first, dp cuts each tp shard; on
+    dp=2, tp=2 coordinate (dp i, tp j) holds rows 4j+2i and 4j+2i+1 of 8."""
+    layout = MeshLayout(("dp", "tp"), (2, 2))
+    placements = {"dp": Shard(0, within="tp"), "tp": Shard(0)}
+    full = torch.arange(8)
+    held = {r: full[piece_index(Piece(full, (8,), placements), layout, r)[0]].tolist() for r in range(4)}
+    assert held == {0: [0, 1], 1: [4, 5], 2: [2, 3], 3: [6, 7]}  # rank = 2 i + j
+    out = assemble("w", {r: Piece(full[v], (8,), placements) for r, v in
+                         ((r, piece_index(Piece(full, (8,), placements), layout, r)[0]) for r in range(4))}, layout)
+    assert torch.equal(out.tensor, full)
+    with pytest.raises(ValueError, match="within='cp'"):
+        piece_index(Piece(full, (8,), {"dp": Shard(0, within="cp")}), layout, 0)
 
 
 def test_packed_shard_holds_a_chunk_of_each_half():

@@ -1,10 +1,11 @@
 """A rank's tensors as :class:`harness.layout.Piece` objects, placed on the cell's mesh.
 
 * a DTensor: its placements on its mesh, on the cell's dims (a flattened dim such as ``fsdp`` =
-  dp·cp is the one of its dims with a degree above 1). The local shard itself goes back, so a wrong
-  shard is reported with the ranks that hold it. Placements a Piece cannot describe (``Partial``,
-  FSDP2's strided shards under TP, a flattened dim over two non-trivial dims, the expert mesh) fall
-  back to ``full_tensor()``, a replica on every rank;
+  dp·cp is the one of its dims with a degree above 1; FSDP2's strided shard under TP, dp's cut of
+  each tp shard, is ``Shard(within="tp")``). The local shard itself goes back, so a wrong shard is
+  reported with the ranks that hold it. Placements a Piece cannot describe (``Partial``, a strided
+  shard of an uneven split, a flattened dim over two non-trivial dims, the expert mesh) fall back to
+  ``full_tensor()``, a replica on every rank: a collective for each such tensor;
 * a plain parameter: the placements the case declares for its name (``ModelCase.placements``),
   else a replica (the parent checks that every rank holds the same values);
 * a plain activation (events only): this rank's rows of the batch and, on a dim short of the
@@ -21,6 +22,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as DShard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..layout import Piece, Shard
 from ..names import DENSE, FLATTENED
@@ -38,18 +40,40 @@ def _cell_dims(name: str, degrees: dict[str, int]) -> list[str] | None:
     return [d for d in dims if degrees.get(d, 1) > 1]
 
 
-def placements_of(names, placements, degrees: dict[str, int]) -> dict[str, Shard] | None:
+def _cut_within(names, placements, at: int, degrees: dict[str, int], shape) -> str | None:
+    """The cell dim whose shard the strided shard ``placements[at]`` cuts further (FSDP2 over TP:
+    dp's cuts tp's), or None where a Piece would not read it as DTensor does: the tensor dim must be
+    sharded by this and by one plain ``Shard`` of a later mesh dim alone, of degree its split factor,
+    and split evenly (where torch's strided chunks and nested ``torch.chunk`` cuts agree)."""
+    strided = placements[at]
+    others = [i for i, p in enumerate(placements) if i != at and isinstance(p, (DShard, _StridedShard))
+              and p.dim == strided.dim]
+    if shape is None or len(others) != 1 or others[0] < at or type(placements[others[0]]) is not DShard:
+        return None
+    own, cut = _cell_dims(names[at], degrees), _cell_dims(names[others[0]], degrees)
+    if not own or not cut or len(own) > 1 or len(cut) > 1 or degrees[cut[0]] != strided.split_factor:
+        return None
+    return cut[0] if shape[strided.dim] % (degrees[own[0]] * strided.split_factor) == 0 else None
+
+
+def placements_of(names, placements, degrees: dict[str, int], shape=None) -> dict[str, Shard] | None:
     """Mesh dim names and placements (torch's, or ``harness.layout.Shard``) -> Piece placements on
-    the cell's dims, or None when a Piece cannot describe them."""
+    the cell's dims, or None when a Piece cannot describe them. ``shape``: the tensor's (global), for
+    FSDP2's strided shards under TP (:func:`_cut_within`)."""
     out: dict[str, Shard] = {}
     last = {}  # tensor dim -> position in the cell's order of the last dim that sharded it
-    for name, placement in zip(names, placements):
+    for at, (name, placement) in enumerate(zip(names, placements)):
         if isinstance(placement, Replicate):
             continue
         own = placement if isinstance(placement, Shard) else None  # a declared one: packs, zigzag, ... kept
-        if own is not None:
+        if isinstance(placement, _StridedShard):
+            within = _cut_within(list(names), list(placements), at, degrees, shape)
+            if within is None:
+                return None
+            own, placement = Shard(placement.dim, within=within), DShard(placement.dim)
+        elif own is not None:
             placement = DShard(own.dim)
-        if type(placement) is not DShard:  # Partial, _StridedShard, ...
+        if type(placement) is not DShard:  # Partial, ...
             return None
         dims = _cell_dims(name, degrees)
         if dims is None or len(dims) > 1:
@@ -91,7 +115,7 @@ def piece_of(tensor: torch.Tensor, degrees: dict[str, int], plain: dict[str, Sha
     whether an undescribable DTensor may be gathered (a collective); else None is returned.
     ``ours``: the case's own mesh dim names -> the harness's, where they differ."""
     if isinstance(tensor, DTensor):
-        placements = placements_of(dim_names(tensor, ours or {}), tensor.placements, degrees)
+        placements = placements_of(dim_names(tensor, ours or {}), tensor.placements, degrees, tuple(tensor.shape))
         if placements is None:
             if not gather:
                 return None
