@@ -34,13 +34,20 @@ import pytest
 
 from {module} import zoo_cells
 
-CELLS = zoo_cells(only={only!r} or None, plans={plans!r}{meshes}{imports})
+CELLS = zoo_cells(only={only!r} or None, plans={plans!r}{meshes}{imports}){pairwise}
 
 
 @pytest.mark.parametrize("cfg", CELLS, ids=str)
 def test_zoo(cfg, parity):
     parity(cfg)
 '''
+
+
+# --pairwise: the gate's covering design (harness.matrix.covering) of the zoo's cells
+PAIRWISE = '''
+from harness.matrix import covering
+
+CELLS = covering(CELLS)'''
 
 
 VERDICTS = ("pass", "red", "crash", "skip", "known", "fixed")
@@ -324,7 +331,7 @@ def run(args) -> int:
         imports = _imports(args)
         (Path(project) / "test_zoo.py").write_text(TEST.format(
             module=zoo.__name__, only=only, plans=plans, meshes=f", meshes={meshes!r}" if meshes else "",
-            imports=f", imports={imports!r}" if imports else ""))
+            imports=f", imports={imports!r}" if imports else "", pairwise=PAIRWISE if args.pairwise else ""))
         (Path(project) / "pytest.ini").write_text("[pytest]\n")
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", args.n,
                    f"--junitxml={junit}", "--case-deadline", "300", "test_zoo.py"]
@@ -338,7 +345,7 @@ def run(args) -> int:
         print(f"the zoo's pytest run ended with {done.returncode} and judged no cell (its output is above)",
               file=sys.stderr)
         return 2
-    made = provenance(library, time.monotonic() - started)
+    made = provenance(library, time.monotonic() - started) | ({"pairwise": True} if args.pairwise else {})
     unused, limited = unexercised(found, library), limits(library)
     versions = title(made)
     (args.out / "zoo.json").write_text(json.dumps(made | {"cells": found, "unexercised": unused} | limited, indent=1))
@@ -381,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
         zoo.add_argument("--plans", default="", help=f"of {plans} (default: all)")
         zoo.add_argument("--out", type=Path, default=Path("zoo-out"), help="where zoo.md, zoo.html and zoo.json go")
         zoo.add_argument("-n", default="auto", help="pytest-xdist workers (default: auto)")
+        zoo.add_argument("--pairwise", action="store_true",
+                         help="of each model, plan and mesh only the cells in which every pair of two axes' values "
+                              "(dtype, schedule, sequence parallel, dispatcher, ep, ...) meets once, as the gate's "
+                              "covering designs (default: every cell)")
         if library == "transformers":
             zoo.add_argument("--import", dest="imports", action="append", metavar="MODULE",
                              help="a module of yours that registers model types of your own with transformers' "
