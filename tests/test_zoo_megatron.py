@@ -91,15 +91,18 @@ def plant(tmp_path: Path, file: str, old: str, new: str) -> None:
     path.write_text(text.replace(old, new))
 
 
-def planted_glue(tmp_path: Path, old: str, new: str) -> dict[str, str]:
-    """A throwaway copy of this tree whose Megatron glue has ``old`` (once) replaced by ``new``: the
-    environment that runs the zoo from it."""
+def planted_glue(tmp_path: Path, plants: dict[str, str]) -> dict[str, str]:
+    """A throwaway copy of this tree whose Megatron glue has each key of ``plants`` (found once)
+    replaced by its value: the environment that runs the zoo from it."""
     from tests.checkout import copy_checkout
 
     tree = copy_checkout(tmp_path / "tree")
     glue = tree / "harness" / "zoo" / "megatron.py"
-    assert glue.read_text().count(old) == 1, old
-    glue.write_text(glue.read_text().replace(old, new))
+    text = glue.read_text()
+    for old, new in plants.items():
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    glue.write_text(text)
     return dict(env_for(tmp_path), PYTHONPATH=str(tree))
 
 
@@ -201,34 +204,31 @@ def test_the_known_expert_reduction_bug_is_fixed_by_its_upstream_fix_alone(tmp_p
 
 
 @pytest.mark.slow  # runs a zoo: a pytest process of its own and its pool
-def test_a_bug_in_a_later_stages_layer_is_named_by_its_place_in_the_whole_model_on_both_schedules(tmp_path):
-    """A pipeline rank names its layers (and, interleaved, its model chunks) locally; its recorded
-    modules take the whole model's names through Parallelized.global_name, as its parameters do.
-    Planted in a throwaway copy of the tree: the second layer's fc2 gradient doubled, on pp rank 1
-    (its local decoder.layers.0 under 1F1B, chunk 0's under the interleaved schedule). Named
-    'not known' before the recorder read the global names."""
+def test_a_later_stages_layer_is_named_by_its_whole_model_place_and_bf16_is_judged_on_the_main_parameters(tmp_path):
+    """Two bugs planted in one throwaway copy of the tree, one for each dtype, run on pp=2·tp=2:
+
+    * fp32: the second layer's fc2 gradient doubled, on pp rank 1 (its local decoder.layers.0 under
+      1F1B, chunk 0's under the interleaved schedule). A pipeline rank names its layers (and model
+      chunks) locally; its recorded modules take the whole model's names through
+      Parallelized.global_name, as its parameters do (named 'not known' before the recorder read them).
+    * bf16: a cell trains as Megatron's --bf16 does: the model in bf16, gradients reduced in fp32 into
+      fp32 main parameters, which the harness steps and judges, copied into the model after each step
+      (Parallelized.after_step). The copy left out: the model keeps its start while its main
+      parameters move, red from step 2's gradients on, where the model's stale weights act first."""
     step = "                into[name].grad = p.main_grad.clone()\n"
-    env = planted_glue(tmp_path, step, step + "                if global_name(name) == "
-                       "'decoder.layers.1.mlp.linear_fc2.weight':  # planted\n                    into[name].grad *= 2\n")
-    found = zoo(tmp_path, "--only", "gpt", "--meshes", "pp=2", env=env)
-    for sched in ("1f1b", "interleaved"):
-        why = found[cell("gpt", "pp2", "sp_off", sched)]["why"]
-        assert why.startswith("first diverging module: decoder.layers.1.mlp.linear_fc2 (parameter gradients, step 1)"), \
-            (sched, why)
-
-
-@pytest.mark.slow  # runs a zoo: a pytest process of its own and its pool
-def test_bf16_cells_are_judged_on_the_fp32_main_parameters_the_optimizer_steps(tmp_path):
-    """A bf16 cell trains as Megatron's --bf16 does: the model in bf16, gradients reduced in fp32 into
-    fp32 main parameters, which the harness steps and judges, copied into the model after each step
-    (Parallelized.after_step). Planted in a throwaway copy of the tree: the copy left out, so the
-    model keeps its start while its main parameters move. The bf16 cells are red from step 2's
-    gradients on, where the model's stale weights act first; the fp32 cells, which keep none, pass."""
-    env = planted_glue(tmp_path, "                    p.copy_(mains[name])\n", "                    pass  # planted\n")
+    env = planted_glue(tmp_path, {
+        step: step + "                if not low and global_name(name) == 'decoder.layers.1.mlp.linear_fc2.weight':  "
+                     "# planted\n                    into[name].grad *= 2\n",
+        "                    p.copy_(mains[name])\n": "                    pass  # planted\n"})
     # --pairwise: 4 of the mesh's 8 cells, each dtype with both schedules and sequence parallel off and on
     found = zoo(tmp_path, "--only", "gpt", "--meshes", "pp=2,tp=2", "--pairwise", env=env)
-    assert sorted(c.split("-")[3] for c in found) == ["bf16", "bf16", "fp32", "fp32"], found
-    assert {c: r["verdict"] for c, r in found.items()} == {c: "red" if "-bf16-" in c else "pass" for c in found}, found
+    assert sorted(c.split("-")[3] + "-" + c.split("-")[4].split(".")[0] for c in found) == [
+        "bf16-sched_1f1b", "bf16-sched_interleaved", "fp32-sched_1f1b", "fp32-sched_interleaved"], found
+    assert all(r["verdict"] == "red" for r in found.values()), found
+    for c, r in found.items():
+        if "-fp32-" in c:
+            assert r["why"].startswith(
+                "first diverging module: decoder.layers.1.mlp.linear_fc2 (parameter gradients, step 1)"), (c, r)
     failures = " ".join((tmp_path / "out" / "junit.xml").read_text().split())
     assert failures.count("first diverging parameter gradients (step 2, in backward order)") == 2, failures[-3000:]
 
