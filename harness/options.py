@@ -70,6 +70,9 @@ def add_options(parser) -> None:
                          "as python -m harness.explore --ignore, e.g. the declared 'loss'")
     group.addoption("--explore-seed", type=int, default=None, metavar="N",
                     help="with --explore: the same draws in every run, as python -m harness.explore --seed")
+    group.addoption("--explore-shrink-seconds", type=float, default=120.0, metavar="S",
+                    help="with --explore: how long a found divergence is shrunk (default 120), as python -m "
+                         "harness.explore --shrink-seconds")
 
 
 def usage(option: str, value, why: str) -> pytest.UsageError:
@@ -99,6 +102,9 @@ def check_options(config) -> None:
         os.environ[FULL_ENV] = "1"
     if opt("--explore") and opt("--explore") < 1:
         raise usage("--explore", opt("--explore"), "needs N >= 1 configs per target, and the warm pool (not torchrun)")
+    if not opt("--explore-shrink-seconds") > 0:
+        raise usage("--explore-shrink-seconds", opt("--explore-shrink-seconds"),
+                    "must be a positive number of seconds, e.g. --explore-shrink-seconds 30")
 
 
 def keep_seconds(config) -> float:

@@ -276,8 +276,9 @@ def test_pytest_explore_fails_the_target_whose_cells_it_selected_and_the_command
                             env=env, capture_output=True, text=True, timeout=600)
     assert matrix.returncode == 0, matrix.stdout[-3000:]  # its one cell passes
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_mine.py", "--explore", EXAMPLES,
-                           # the declared loss limit (README, Exploration); unseeded, so the database is used
-                           "--explore-ignore", "loss"],
+                           # the declared loss limit (README, Exploration); unseeded, so the database is used;
+                           # shrunk 5 s, as the command line's searches above (the shape is the check)
+                           "--explore-ignore", "loss", "--explore-shrink-seconds", "5"],
                           cwd=project, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "FAILED ::explore[tp:rowsplit] - Failed: tp:rowsplit: found tp-rowsplit-tp" in done.stdout, done.stdout[-3000:]

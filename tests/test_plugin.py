@@ -125,6 +125,7 @@ register_implementation("tp", "mine", "harness.parallel.tp:run", skip="skipper:s
     (["--case-deadline", "-1"], "ERROR: --case-deadline -1.0: must be a positive number of seconds*"),
     (["--case-deadline", "0"], "ERROR: --case-deadline 0.0: must be a positive number of seconds*"),
     (["--backend", "mpi"], "ERROR: --backend mpi: backend 'mpi' is not one of auto, gloo, nccl"),
+    (["--explore-shrink-seconds", "0"], "ERROR: --explore-shrink-seconds 0.0: must be a positive number of seconds*"),
     pytest.param(["--backend", "nccl"], "ERROR: --backend nccl: backend nccl needs CUDA*use --backend gloo",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present here")),
 ])

@@ -39,8 +39,9 @@ class ExploreItem(pytest.Item):
             with capture.global_and_fixture_disabled():
                 writer.line(line)
 
-        found = explore(self.component, self.impl, pool, Budget(max_examples=opt("--explore")), db_path=database,
-                        progress=progress, ignore=tuple(opt("--explore-ignore")), seed=opt("--explore-seed"))
+        budget = Budget(max_examples=opt("--explore"), shrink_seconds=opt("--explore-shrink-seconds"))
+        found = explore(self.component, self.impl, pool, budget, db_path=database, progress=progress,
+                        ignore=tuple(opt("--explore-ignore")), seed=opt("--explore-seed"))
         summary = found.summary(str(database), self.modules)
         if found.minimal is not None:
             pytest.fail(summary, pytrace=False)
