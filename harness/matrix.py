@@ -80,7 +80,7 @@ def covering(configs: list[Config]) -> list[Config]:
     of two axes that appears together in some config of that group appears in one chosen config (a
     strength-2 covering design, chosen greedily: deterministic, in the given order). Configs are
     taken as they come, so rules that make some combinations invalid are respected: only pairs that
-    exist are asked for. A group with one varying axis keeps every value."""
+    exist are asked for. A group with one varying axis keeps every value; one with none, its config."""
     groups: dict[tuple, list[Config]] = defaultdict(list)
     for cfg in configs:
         groups[(cfg.component, cfg.impl, cfg.mesh)].append(cfg)
@@ -96,6 +96,8 @@ def covering(configs: list[Config]) -> list[Config]:
 
         covers = [pairs(v) for v in values]
         wanted = set().union(*covers)
+        if not wanted:  # no axis varies: the group is its one config
+            chosen.add(group[0])
         while wanted:
             best = max(range(len(group)), key=lambda i: (len(covers[i] & wanted), -i))
             chosen.add(group[best])

@@ -42,6 +42,9 @@ def test_a_covering_design_is_deterministic_and_keeps_every_value_of_a_single_ax
 
     one_axis = [cfg("fp32", op=op) for op in ("a", "b", "c")]
     assert covering(one_axis) == one_axis
+    # a group of one config, nothing varying (a zoo's dense model on dp=2 beside its product on tp=2): kept
+    alone = Config("tp", "ours", (("dp", 2),), "fp32", {"b": 4}, {"op": "a"})
+    assert covering([alone, *one_axis]) == [alone, *one_axis]
     product = [cfg(d, x=x, y=y, z=z) for d in ("fp32", "bf16") for x in "ab" for y in "ab" for z in "abc"]
     chosen = covering(product)
     assert chosen == covering(list(product)) and len(chosen) < len(product)
