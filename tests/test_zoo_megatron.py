@@ -47,6 +47,8 @@ def test_megatrons_own_tp_sp_pipeline_and_expert_parallel_are_green(tmp_path):
     # sequence parallel, dispatcher, ep, etp): 18 cells; the nightly zoo runs every cell
     found = zoo(tmp_path, "--only", "gpt,moe", "--meshes", "pp=2,tp=2;pp=2,dp=2", "--pairwise")
     assert json.loads((tmp_path / "out" / "zoo.json").read_text())["pairwise"] is True
+    assert (tmp_path / "out" / "zoo.md").read_text().splitlines()[0].endswith(
+        " min, pairwise: each pair of two axes' values once, not every cell)")
     assert len(found) == 18, sorted(found)
     # every value of every axis ran: pipeline (both schedules), tp with sequence parallel off and on, the
     # model in bf16 on fp32 main parameters, and the experts' dispatchers, ep and etp under tp and dp.

@@ -126,11 +126,12 @@ def provenance(library: str, seconds: float) -> dict:
 
 
 def title(made: dict) -> str:
-    """The report's versions line."""
+    """The report's versions line (and, for a ``--pairwise`` run, that it ran the covering design)."""
     library = made.get("library", "transformers")
     line = f"{library} {made.get(library)}, torch {made.get('torch')}"
     extra = [f"Python {made['python']}" if "python" in made else "", made.get("harness", ""), made.get("date", ""),
-             f"{made['minutes']} min" if "minutes" in made else ""]
+             f"{made['minutes']} min" if "minutes" in made else "",
+             "pairwise: each pair of two axes' values once, not every cell" if made.get("pairwise") else ""]
     return ", ".join([line, *(e for e in extra if e)])
 
 
