@@ -60,10 +60,9 @@ def test_a_shard_cut_within_another_applies_after_it_whatever_the_mesh_order():
     layout = MeshLayout(("dp", "tp"), (2, 2))
     placements = {"dp": Shard(0, within="tp"), "tp": Shard(0)}
     full = torch.arange(8)
-    held = {r: full[piece_index(Piece(full, (8,), placements), layout, r)[0]].tolist() for r in range(4)}
-    assert held == {0: [0, 1], 1: [4, 5], 2: [2, 3], 3: [6, 7]}  # rank = 2 i + j
-    out = assemble("w", {r: Piece(full[v], (8,), placements) for r, v in
-                         ((r, piece_index(Piece(full, (8,), placements), layout, r)[0]) for r in range(4))}, layout)
+    rows = {r: piece_index(Piece(full, (8,), placements), layout, r)[0] for r in range(4)}
+    assert {r: full[i].tolist() for r, i in rows.items()} == {0: [0, 1], 1: [4, 5], 2: [2, 3], 3: [6, 7]}  # rank 2i+j
+    out = assemble("w", {r: Piece(full[i], (8,), placements) for r, i in rows.items()}, layout)
     assert torch.equal(out.tensor, full)
     with pytest.raises(ValueError, match="within='cp'"):
         piece_index(Piece(full, (8,), {"dp": Shard(0, within="cp")}), layout, 0)

@@ -86,11 +86,15 @@ def test_megatrons_own_tp_sp_pipeline_and_expert_parallel_are_green(tmp_path):
     assert "Transformer Engine" in made["not_run"]["multi-latent attention, Transformer Engine specs"], made
 
 
-def plant(tmp_path: Path, file: str, old: str, new: str) -> None:
-    path = tmp_path / "planted" / "megatron" / "core" / file
+def replace_once(path: Path, old: str, new: str) -> None:
+    """``old``, found exactly once in the file at ``path``, replaced by ``new``."""
     text = path.read_text()
-    assert text.count(old) == 1, (file, old)
+    assert text.count(old) == 1, (path, old)
     path.write_text(text.replace(old, new))
+
+
+def plant(tmp_path: Path, file: str, old: str, new: str) -> None:
+    replace_once(tmp_path / "planted" / "megatron" / "core" / file, old, new)
 
 
 def planted_glue(tmp_path: Path, plants: dict[str, str]) -> dict[str, str]:
@@ -99,12 +103,8 @@ def planted_glue(tmp_path: Path, plants: dict[str, str]) -> dict[str, str]:
     from tests.checkout import copy_checkout
 
     tree = copy_checkout(tmp_path / "tree")
-    glue = tree / "harness" / "zoo" / "megatron.py"
-    text = glue.read_text()
     for old, new in plants.items():
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
-    glue.write_text(text)
+        replace_once(tree / "harness" / "zoo" / "megatron.py", old, new)
     return dict(env_for(tmp_path), PYTHONPATH=str(tree))
 
 
