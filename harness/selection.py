@@ -45,12 +45,11 @@ def world_needed(cfg: Config) -> int:
 def quick_selection(cfgs: list[Config], quick_only: Iterable[Config] = ()) -> set[Config]:
     """Per (component, implementation), few cells that together run every mesh dim it splits over
     (degree above 1), every dtype and every switch value, each value where it acts
-    (``Space.acts_with``: sequence parallelism with tp) when some cell runs it there: a greedy cover,
-    each step taking the cell that shows the most of what is still missing per rank it needs. Cells
-    of more than one rank cover first (a cell of one splits nothing); one whose switches all hold one
-    value (a checkpoint saved and loaded under the same layout reshards nothing) only where no other
-    cell shows what it shows. A picked cell whose dims and values the other picks all show is dropped
-    again. Small, yet every component, implementation, dim, dtype and switch value runs.
+    (``Space.acts_with``: sequence parallelism with tp) when some cell runs it there: the cover that
+    needs the fewest ranks in all (:func:`_cheapest`). Cells of more than one rank cover first (a cell
+    of one splits nothing); one whose switches all hold one value (a checkpoint saved and loaded under
+    the same layout reshards nothing) only where no other cell shows what it shows. Small, yet every
+    component, implementation, dim, dtype and switch value runs.
 
     ``quick_only``: cells that stand in for those equal to them but for their sizes (fewer training
     steps), which are then never picked."""
@@ -65,22 +64,63 @@ def quick_selection(cfgs: list[Config], quick_only: Iterable[Config] = ()) -> se
 
 
 def _cover(cells: list[Config], acts) -> list[Config]:
-    """:func:`quick_selection`'s greedy cover of one (component, implementation)'s cells."""
+    """:func:`quick_selection`'s cover of one (component, implementation)'s cells: first of what cells
+    of more than one rank show, then of what only cells of one show."""
     acting = {(k, v) for cfg in cells for k, v in cfg.switches if acts(cfg, k)}
     shows = {cfg: _features(cfg, acts, acting) for cfg in cells}
-    missing = set().union(*shows.values())
     chosen: list[Config] = []
-    for tier in ([cfg for cfg in cells if cfg.world > 1], cells):  # one rank only for what is left
-        order = {cfg: i for i, cfg in enumerate(tier)}
-        while candidates := [cfg for cfg in tier if shows[cfg] & missing]:
-            best = min(candidates, key=lambda cfg: (_one_value(cfg), -len(shows[cfg] & missing) / cfg.world,
-                                                     cfg.world, order[cfg]))
-            chosen.append(best)
-            missing -= shows[best]
-    for cfg in sorted(chosen, key=lambda cfg: -cfg.world):  # a later pick may show all an earlier one did
-        if shows[cfg] <= set().union(*(shows[c] for c in chosen if c is not cfg)):
-            chosen.remove(cfg)
+    for tier in ([cfg for cfg in cells if cfg.world > 1], cells):
+        shown = set().union(*(shows[cfg] for cfg in chosen))
+        missing = set().union(*(shows[cfg] for cfg in tier)) - shown
+        # a one-valued cell costs more than every other cell of its tier together: taken only where needed
+        penalty = 1 + sum(cfg.world for cfg in tier)
+        useful = [cfg for cfg in tier if shows[cfg] & missing]
+        chosen += _cheapest(useful, {cfg: shows[cfg] & missing for cfg in useful},
+                            {cfg: cfg.world + penalty * _one_value(cfg) for cfg in useful})
     return chosen
+
+
+SEARCH_NODES = 2000  # enough for the checkpoint's 98 cells of 26 values; bounds collection's time
+
+
+def _cheapest(cells: list[Config], shows: dict[Config, set], cost: dict[Config, int]) -> list[Config]:
+    """The cells that show everything ``cells`` show at the least total ``cost``: a branch and bound
+    search, each branch on a cell showing the value fewest cells show, cheapest per value first. It
+    stops after :data:`SEARCH_NODES` steps with the best cover found (its first descent finds one),
+    counted in steps, not seconds, so that every process picks the same: xdist's workers must."""
+    order = {cfg: i for i, cfg in enumerate(cells)}
+    showing: dict[tuple, list[Config]] = defaultdict(list)
+    for cfg in cells:
+        for feature in sorted(shows[cfg]):
+            showing[feature].append(cfg)
+    cheapest = {feature: min(cost[cfg] for cfg in by) for feature, by in showing.items()}
+    best: list[Config] = []
+    best_cost = float("inf")
+    nodes = 0
+
+    def search(missing: frozenset, chosen: list[Config], spent: int) -> None:
+        nonlocal best, best_cost, nodes
+        nodes += 1
+        if not missing:
+            if spent < best_cost:
+                best, best_cost = list(chosen), spent
+            return
+        # the dearest value still missing costs at least its cheapest cell
+        if nodes > SEARCH_NODES or spent + max(cheapest[f] for f in missing) >= best_cost:
+            return
+        rarest = min(missing, key=lambda f: (len(showing[f]), f))
+        branches: list[tuple[Config, frozenset]] = []
+        for cfg in sorted(showing[rarest], key=lambda c: (cost[c] / len(shows[c] & missing), cost[c], order[c])):
+            adds = frozenset(shows[cfg] & missing)
+            if not any(adds <= other and cost[c] <= cost[cfg] for c, other in branches):  # dominated
+                branches.append((cfg, adds))
+        for cfg, adds in branches:
+            chosen.append(cfg)
+            search(missing - adds, chosen, spent + cost[cfg])
+            chosen.pop()
+
+    search(frozenset(showing), [], 0)
+    return best
 
 
 def _features(cfg: Config, acts, acting: set[tuple[str, str]]) -> set[tuple]:
