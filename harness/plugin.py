@@ -65,6 +65,10 @@ def pytest_configure(config):
         stopped = stop(str(config.rootpath))
         pytest.exit(f"stopped {len(stopped)} kept pool(s) of {config.rootpath}", 0)
     config.stash[_KEEP] = keep_seconds(config)
+    if hasattr(config, "workerinput") and config.stash[_KEEP] <= 0:  # the run's workers: one keeper
+        from .pool.kept import share_with_run
+
+        share_with_run(config.workerinput["testrunuid"])
     selection.one_cell_at_a_time(config)
     config.addinivalue_line("markers", f"{selection.QUICK_ONLY}: a shorter twin of a matrix cell (fewer steps or "
                             "smaller sizes) that --quick runs in its place, and nothing else runs")

@@ -6,12 +6,15 @@ interpreter, the kept pool's socket directory and the temp directory private to 
 * a kept pool exits after its idle timeout and leaves nothing: no process, no socket, no directory;
 * a kept pool is not used across checkouts, unless they name one ``PARITYTEST_KEEP_POOL_SCOPE``;
   ``--stop-pool`` and ``python -m harness.pool stop``;
-* a client killed outright takes its ranks with it, and the kept pool serves the next run.
+* a client killed outright takes its ranks with it, and the kept pool serves the next run;
+* without a kept pool, an xdist run's workers share one keeper, gone with the run.
 """
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -339,6 +342,56 @@ def test_under_xdist_each_worker_keeps_a_pool_and_status_and_stop_see_every_one(
     assert "stopped 2 kept pool(s)" in pool_command("stop").stderr
     assert wait_until(lambda: all(gone(s["pid"]) for s in said.values()), 30)
     assert pool_command("status").returncode == 1
+
+
+def keepers_of(runtime: Path) -> set[int]:
+    """Live keepers started in a run whose runtime directory is ``runtime``: processes running
+    ``keeper_main`` with that directory in their environment, not forked from one (run zygotes and
+    ranks are forks of a keeper, with its command line)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+        if b"keeper_main" in cmdline and f"XDG_RUNTIME_DIR={runtime}".encode() in environ \
+                and not gone(int(entry.name)):
+            found[int(entry.name)] = parent
+    return {pid for pid, parent in found.items() if parent not in found}
+
+
+@pytest.mark.slow
+def test_without_a_kept_pool_an_xdist_runs_workers_share_one_keeper_that_leaves_nothing(box):
+    """Both workers' pools (cells' and pool of one each) fork from one keeper, which imported torch
+    once; once the run ends, the keeper, its socket and lock file are gone."""
+    from harness.pool.kept import receive, send
+
+    project = make_project(box["root"] / "project")
+    run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
+                            "-k", "tp2 or tp4"], cwd=project, env=box["env"], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    keepers, said = set(), {}
+    sockets = box["runtime"] / "paritytest"
+    while run.poll() is None:
+        keepers |= keepers_of(box["runtime"])
+        for path in sockets.glob("run-*.sock") if sockets.exists() else ():
+            with contextlib.suppress(OSError, EOFError, ValueError):
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                    sock.settimeout(5)
+                    sock.connect(str(path))
+                    send(sock, {"op": "status"})
+                    said = receive(sock)[0]
+        time.sleep(0.1)
+    out = run.stdout.read()
+    run.stdout.close()
+    assert run.returncode == 0 and "4 passed" in out, out[-3000:]
+    assert len(keepers) == 1 and said.get("pid") in keepers, (keepers, said)
+    assert said["runs"] == 2 * POOLS_PER_RUN, said  # each worker's cells' pool and pool of one
+    assert wait_until(lambda: not keepers_of(box["runtime"]), 10), keepers_of(box["runtime"])
+    assert wait_until(lambda: left_in(box["runtime"]) == [], 10), left_in(sockets)
+    assert not [name for name in left_in(box["tmp"]) if name.startswith("harness-pool-")]  # pytest's own basetemp stays
 
 
 @pytest.mark.slow

@@ -4,7 +4,9 @@ outlives one pytest run, listening on its Unix socket, and each run's zygote it 
 Started by the client as ``python -c "from harness.pool.keeper import keeper_main; keeper_main()"``
 with its spec (``path``, ``idle``, ``preload``) as JSON in ``argv[1]``; a process's own keeper
 (:class:`harness.pool.kept.ForkServer`, :class:`OwnKeeper`) with ``control`` (its end of the
-channel, a descriptor), ``parent`` and ``own`` (its fingerprint, the parent's) instead of ``path``.
+channel, a descriptor), ``parent`` and ``own`` (its fingerprint, the parent's) instead of ``path``;
+the keeper of an xdist run's workers (:class:`harness.pool.kept.RunKeeperClient`, :class:`RunKeeper`)
+with ``path``, ``parent`` and ``own``.
 """
 from __future__ import annotations
 
@@ -27,13 +29,18 @@ def keeper_main() -> None:
     spec = json.loads(sys.argv[1])
     if "control" in spec:
         keeper = OwnKeeper(spec["control"], spec["own"])
+    elif "own" in spec:
+        keeper = RunKeeper(spec["path"], spec["own"])
     else:
         keeper = Keeper(spec["path"], float(spec["idle"]))
     signal.signal(signal.SIGTERM, keeper.stop_all)
     signal.signal(signal.SIGINT, keeper.stop_all)
     from .rank import die_with_parent, import_torch, preload, take_baseline, warm_up
 
-    if "parent" in spec:
+    if isinstance(keeper, RunKeeper):  # its starter's end is not the end of the others' runs
+        signal.signal(signal.SIGHUP, keeper.retire)
+        die_with_parent(spec["parent"], signal.SIGHUP, keeper.retire)
+    elif "parent" in spec:
         die_with_parent(spec["parent"], signal.SIGTERM, keeper.stop_all)
 
     import_torch()
@@ -287,6 +294,75 @@ class OwnKeeper(Keeper):
             self._answer(socket.socket(fileno=conn), message, fds)
 
 
+class RunKeeper(Keeper):
+    """The keeper the xdist workers of one run share (:class:`harness.pool.kept.RunKeeperClient`):
+    one import of torch and the third-party modules for all of them, not one a worker. The worker
+    that needed it first started it; the others find it at a path named by the run, the environment
+    and ``own``, the fingerprint of what it imports, so it is never stale for a request that reaches
+    it. When its starter ends (SIGHUP, the parent-death signal) it retires: it stops listening at
+    once (a later request starts another) and exits when the run zygotes it forked have ended, each
+    with its client's connection: it outlives no run."""
+
+    def __init__(self, path: str, own: str):
+        super().__init__(path, idle=float("inf"))
+        self.own = own
+        self.retiring = False
+
+    def _stale_for(self, message: dict) -> bool:
+        return message.get("fingerprint") != self.own
+
+    def retire(self, *_) -> None:
+        self.retiring = True  # acted on by serve(), between requests
+
+    def serve(self) -> None:
+        self.last = time.monotonic()
+        while not self.retiring:
+            self._reap()
+            if select.select([self.listener], [], [], 1.0)[0] and not self.retiring:
+                conn, _ = self.listener.accept()
+                conn.settimeout(30)
+                try:
+                    message, fds = receive(conn)
+                except (OSError, EOFError, ValueError):
+                    conn.close()
+                    continue
+                self._answer(conn, message, fds)
+        self._leave()
+
+    def _leave(self) -> None:
+        """Stop listening (socket and lock file removed under the lock, so no client is starting a
+        keeper at the path meanwhile, and one waiting on the lock takes it again), take the requests
+        already queued, wait for the run zygotes, exit."""
+        lock = self.base + ".lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if self.ours():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
+                with contextlib.suppress(FileNotFoundError):
+                    if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                        os.unlink(lock)
+        finally:
+            os.close(fd)  # before any fork: a run zygote holding it would hold the lock
+        while select.select([self.listener], [], [], 0)[0]:  # connected before the unlink
+            conn, _ = self.listener.accept()
+            conn.settimeout(30)
+            try:
+                message, fds = receive(conn)
+            except (OSError, EOFError, ValueError):
+                conn.close()
+                continue
+            self._answer(conn, message, fds)
+        self.listener.close()
+        while self.children:
+            self._reap()
+            time.sleep(0.2)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(self.path))  # only when empty
+        os._exit(0)
+
+
 def _idle_exit(base: str, listener: socket.socket) -> bool:
     """May the keeper exit now? Not while a client is starting or connecting (it holds the lock)."""
     try:
@@ -314,8 +390,8 @@ def run_zygote(conn: socket.socket, message: dict, fds: list[int]) -> None:
     from . import pooldir
     from .rank import Zygote, preload
 
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
     os.setpgid(0, 0)  # its ranks and itself: one group the client can kill outright
     *rank_fds, status = fds
     os.dup2(status, 1)

@@ -362,10 +362,12 @@ def statuses(root: str) -> dict[str, dict]:
 
 
 def _sockets(prefix: str) -> list[str]:
-    """The names of the keepers' sockets in this user's runtime directory that start with ``prefix``."""
+    """The names of the kept pools' sockets in this user's runtime directory that start with
+    ``prefix`` (not the xdist runs' keepers: they are their runs', not kept)."""
     directory = runtime_dir(create=False)
     names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
-    return [name for name in names if name.endswith(".sock") and name.startswith(prefix)]
+    return [name for name in names if name.endswith(".sock") and name.startswith(prefix)
+            and not name.startswith(RUN_PREFIX)]
 
 
 def stop(root: str | None = None, all_workers: bool = True) -> list[str]:
@@ -532,7 +534,72 @@ class ForkServer:
             self._log = None
 
 
+RUN_PREFIX = "run-"  # the socket of an xdist run's keeper: run-<key>.sock
+
+
+class RunKeeperClient:
+    """The keeper an xdist run's workers share (:class:`harness.pool.keeper.RunKeeper`), for their
+    pools that are not kept: on two workers, one import of torch and the third-party modules where
+    each worker's own :class:`ForkServer` made two. The first worker to need it starts it; its
+    socket's name holds the run's id, the environment, the import path and the fingerprint of the
+    harness, so a worker whose differ (an edit between two workers' first cells) starts its own.
+    Its life is its starter's and then its run zygotes' (it retires when its starter ends): nothing
+    of it outlives the run."""
+
+    def __init__(self, run: str):
+        self.run = run
+        self._own = ""
+        self._log = None  # the stderr of the keeper this worker started, if it did
+
+    def path(self) -> str:
+        if not self._own:
+            self._own = fingerprint()  # once, as a process's own keeper's: a later edit does not split the run
+        text = "\0".join([self.run, sys.prefix, interpreter(), self._own, *(p for p in sys.path if p)])
+        return os.path.join(runtime_dir(), f"{RUN_PREFIX}{hashlib.sha256(text.encode()).hexdigest()[:16]}.sock")
+
+    def request(self, kept_preload: list[str], message: dict, fds) -> socket.socket:
+        """As :meth:`ForkServer.request`: the run's connection, the reply (the run zygote's pid) still
+        to be read, so the keeper's imports overlap the caller's work."""
+        path = self.path()
+        message = dict(message, op="run", fingerprint=self._own, preload_kept=kept_preload, idle=None)
+        for _ in range(3):
+            with _locked(path[:-len(".sock")] + ".lock"):
+                sock = _connect(path)
+                if sock is None:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)  # a keeper killed outright leaves its socket
+                    sock = self._start(path, kept_preload)
+                try:
+                    send(sock, message, fds)
+                except OSError:  # it retired meanwhile: start another
+                    sock.close()
+                    continue
+            return sock
+        raise KeptPoolError(f"the xdist run's keeper at {path} did not take the run")
+
+    def _start(self, path: str, preload: list[str]) -> socket.socket:
+        if self._log is not None:
+            self._log.close()
+        self._log = tempfile.TemporaryFile()
+        _started.append(spawn_keeper({"path": path, "preload": preload, "parent": os.getpid(), "own": self._own},
+                                     self._log))
+        end = time.monotonic() + 60
+        while (sock := _connect(path)) is None:  # it binds and listens before it imports
+            if _started[-1].poll() is not None or time.monotonic() > end:
+                raise KeptPoolError(f"the xdist run's keeper did not start: {self.log()}")
+            time.sleep(0.01)
+        return sock
+
+    def log(self) -> str:
+        """The last lines the keeper wrote, if this worker started it."""
+        if self._log is None:
+            return "(started by another xdist worker: its log is that worker's)"
+        self._log.seek(0)
+        return "\n".join(self._log.read().decode(errors="replace").splitlines()[-20:]) or "(its log is empty)"
+
+
 _fork_server: ForkServer | None = None
+_run_keeper: RunKeeperClient | None = None
 
 
 def fork_server() -> ForkServer:
@@ -544,3 +611,16 @@ def fork_server() -> ForkServer:
         _fork_server = ForkServer()
         atexit.register(_fork_server.close)
     return _fork_server
+
+
+def own_keeper() -> ForkServer | RunKeeperClient:
+    """The keeper this process's pools that are not kept fork from: its xdist run's
+    (:func:`share_with_run`), else its own :func:`fork_server`."""
+    return _run_keeper or fork_server()
+
+
+def share_with_run(run: str) -> None:
+    """Make this xdist worker's pools fork from the keeper of its run (``testrunuid``), shared with
+    the run's other workers (:class:`RunKeeperClient`)."""
+    global _run_keeper
+    _run_keeper = RunKeeperClient(run)

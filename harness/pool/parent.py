@@ -338,11 +338,11 @@ class Pool:
 
     def _launch_from_keeper(self, child_fds: list[int], preload: list[str]):
         """Ask a keeper to fork this pool's zygote: this checkout's kept one (``keep``; started if
-        there is none, or a stale one), else this process's own (:class:`.kept.ForkServer`). Either
-        imported torch and the third-party modules once; the project's modules are imported in the
-        run's own zygote, after the keeper's fork. The kept one answers at once; this process's own
-        answers once it has imported, read when first needed, so those imports overlap the caller's
-        work."""
+        there is none, or a stale one), else this process's own (:class:`.kept.ForkServer`), or its
+        xdist run's (:class:`.kept.RunKeeperClient`). Each imported torch and the third-party modules
+        once; the project's modules are imported in the run's own zygote, after the keeper's fork.
+        The kept one answers at once; the others once they have imported, read when first needed, so
+        those imports overlap the caller's work."""
         from . import kept
 
         kept_preload, per_run = kept.split_preload(preload)
@@ -355,7 +355,7 @@ class Pool:
                 sock, reply = kept.request(self.root or os.getcwd(), self.keep, kept_preload, message, fds)
                 pid = reply["pid"]
             else:
-                sock, pid = kept.fork_server().request(kept_preload, message, fds), None
+                sock, pid = kept.own_keeper().request(kept_preload, message, fds), None
         except (kept.KeptPoolError, OSError) as error:
             os.close(status_read)
             raise PoolError(f"{'kept pool' if self.keep > 0 else 'pool'}: {error}") from None
@@ -411,7 +411,7 @@ class Pool:
         if self.keep <= 0 and self._proc is not None and self._proc.poll() is not None:
             from . import kept
 
-            zygote += f"\nthis process's keeper: {kept.fork_server().log()}\n"
+            zygote += f"\nthis process's keeper: {kept.own_keeper().log()}\n"
         self.kill()
         raise PoolError(f"pool of {self.size} ranks failed to start: {why}\n{zygote}{logs}")
 
