@@ -307,18 +307,21 @@ class RunKeeper(Keeper):
         super().__init__(path, idle=float("inf"))
         self.own = own
         self.retiring = False
+        self._wake, self._woken = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)[::-1]  # retire() wakes serve()'s wait
 
     def _stale_for(self, message: dict) -> bool:
         return message.get("fingerprint") != self.own
 
     def retire(self, *_) -> None:
         self.retiring = True  # acted on by serve(), between requests
+        with contextlib.suppress(OSError):
+            os.write(self._wake, b"x")
 
     def serve(self) -> None:
         self.last = time.monotonic()
         while not self.retiring:
             self._reap()
-            if select.select([self.listener], [], [], 1.0)[0] and not self.retiring:
+            if self.listener in select.select([self.listener, self._woken], [], [], 1.0)[0] and not self.retiring:
                 conn, _ = self.listener.accept()
                 conn.settimeout(30)
                 try:
@@ -355,9 +358,11 @@ class RunKeeper(Keeper):
                 continue
             self._answer(conn, message, fds)
         self.listener.close()
-        while self.children:
-            self._reap()
-            time.sleep(0.2)
+        while self.children:  # its only children: each ends with its client's connection
+            try:
+                self.children.discard(os.waitpid(-1, 0)[0])
+            except ChildProcessError:
+                break
         with contextlib.suppress(OSError):
             os.rmdir(os.path.dirname(self.path))  # only when empty
         os._exit(0)

@@ -549,7 +549,8 @@ class RunKeeperClient:
     def __init__(self, run: str):
         self.run = run
         self._own = ""
-        self._log = None  # the stderr of the keeper this worker started, if it did
+        self._proc: subprocess.Popen | None = None  # the keeper this worker started, if it did
+        self._log = None  # its stderr
 
     def path(self) -> str:
         if not self._own:
@@ -581,14 +582,26 @@ class RunKeeperClient:
         if self._log is not None:
             self._log.close()
         self._log = tempfile.TemporaryFile()
-        _started.append(spawn_keeper({"path": path, "preload": preload, "parent": os.getpid(), "own": self._own},
-                                     self._log))
+        self._proc = spawn_keeper({"path": path, "preload": preload, "parent": os.getpid(), "own": self._own},
+                                  self._log)
         end = time.monotonic() + 60
         while (sock := _connect(path)) is None:  # it binds and listens before it imports
-            if _started[-1].poll() is not None or time.monotonic() > end:
+            if self._proc.poll() is not None or time.monotonic() > end:
                 raise KeptPoolError(f"the xdist run's keeper did not start: {self.log()}")
             time.sleep(0.01)
         return sock
+
+    def close(self, grace: float = 30.0) -> None:
+        """At this worker's exit, after its pools have closed: the keeper it started retires, as on
+        its death, and is waited for, so that its CPU and its pools' count as this process's
+        children's (``times``, ``/usr/bin/time``: CI's step figures) rather than being reparented
+        uncounted. It ends once the other workers' pools have: within the run."""
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self._proc.pid, signal.SIGHUP)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # else it ends with the last run it serves
+            self._proc.wait(timeout=grace)
 
     def log(self) -> str:
         """The last lines the keeper wrote, if this worker started it."""
@@ -623,4 +636,7 @@ def share_with_run(run: str) -> None:
     """Make this xdist worker's pools fork from the keeper of its run (``testrunuid``), shared with
     the run's other workers (:class:`RunKeeperClient`)."""
     global _run_keeper
+    import atexit
+
     _run_keeper = RunKeeperClient(run)
+    atexit.register(_run_keeper.close)  # before any pool's: run after every pool has closed
