@@ -57,9 +57,10 @@ class Keeper:
     """The keeper's state: its socket (and whether the file at its path is still its own), its
     live run zygotes, its idle clock."""
 
-    def __init__(self, path: str, idle: float):
+    def __init__(self, path: str, idle: float, own: str | None = None):
         self.path, self.idle = path, idle
-        self.own = fingerprint()  # before any import: an edit made while importing makes it stale, not wrong
+        # before any import: an edit made while importing makes it stale, not wrong
+        self.own = own if own is not None else fingerprint()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -118,14 +119,18 @@ class Keeper:
                         and _idle_exit(self.base, self.listener)):
                     self.finish(lock=False)
                 continue
-            conn, _ = self.listener.accept()
-            conn.settimeout(30)
-            try:
-                message, fds = receive(conn)
-            except (OSError, EOFError, ValueError):
-                conn.close()
-                continue
-            self._answer(conn, message, fds)
+            self._take()
+
+    def _take(self) -> None:
+        """Accept one connection and answer its request (one that breaks off is dropped)."""
+        conn, _ = self.listener.accept()
+        conn.settimeout(30)
+        try:
+            message, fds = receive(conn)
+        except (OSError, EOFError, ValueError):
+            conn.close()
+            return
+        self._answer(conn, message, fds)
 
     def _reap(self) -> None:
         for pid in list(self.children):
@@ -304,8 +309,7 @@ class RunKeeper(Keeper):
     with its client's connection: it outlives no run."""
 
     def __init__(self, path: str, own: str):
-        super().__init__(path, idle=float("inf"))
-        self.own = own
+        super().__init__(path, idle=float("inf"), own=own)
         self.retiring = False
         self._wake, self._woken = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)[::-1]  # retire() wakes serve()'s wait
 
@@ -322,14 +326,7 @@ class RunKeeper(Keeper):
         while not self.retiring:
             self._reap()
             if self.listener in select.select([self.listener, self._woken], [], [], 1.0)[0] and not self.retiring:
-                conn, _ = self.listener.accept()
-                conn.settimeout(30)
-                try:
-                    message, fds = receive(conn)
-                except (OSError, EOFError, ValueError):
-                    conn.close()
-                    continue
-                self._answer(conn, message, fds)
+                self._take()
         self._leave()
 
     def _leave(self) -> None:
@@ -349,14 +346,7 @@ class RunKeeper(Keeper):
         finally:
             os.close(fd)  # before any fork: a run zygote holding it would hold the lock
         while select.select([self.listener], [], [], 0)[0]:  # connected before the unlink
-            conn, _ = self.listener.accept()
-            conn.settimeout(30)
-            try:
-                message, fds = receive(conn)
-            except (OSError, EOFError, ValueError):
-                conn.close()
-                continue
-            self._answer(conn, message, fds)
+            self._take()
         self.listener.close()
         while self.children:  # its only children: each ends with its client's connection
             try:

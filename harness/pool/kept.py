@@ -293,17 +293,36 @@ def spawn_keeper(spec: dict, stderr, pass_fds=()) -> subprocess.Popen:
         cwd="/", pass_fds=pass_fds)
 
 
+def _listening(keeper: subprocess.Popen, path: str, timeout: float = 60.0) -> socket.socket | None:
+    """A connection to the keeper just started at ``path``; None when it exited or did not listen in
+    time. It listens before it imports anything; its socket file exists from bind, a moment before it
+    listens, and a connection in that moment is refused: wait for one that is taken."""
+    end = time.monotonic() + timeout
+    while (sock := _connect(path)) is None:
+        if keeper.poll() is not None or time.monotonic() > end:
+            return None
+        time.sleep(0.01)
+    return sock
+
+
+def _connect_or_start(path: str, start) -> socket.socket:
+    """A connection to the keeper at ``path``, or, when none listens there, to the one ``start()``
+    starts (under the caller's hold on the path's lock)."""
+    sock = _connect(path)
+    if sock is None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a keeper killed outright leaves its socket
+        sock = start()
+    return sock
+
+
 def _start(path: str, idle: float, preload: list[str]) -> socket.socket:
     """Start a keeper at ``path`` and return a connection to it."""
     with open(path[:-len(".sock")] + ".log", "ab") as log:
         _started.append(spawn_keeper({"path": path, "idle": idle, "preload": preload}, log))
-    end = time.monotonic() + 60
-    # it listens before it imports anything; its socket file exists from bind, a moment before it
-    # listens, and a connection in that moment is refused: wait for one that is taken
-    while (sock := _connect(path)) is None:
-        if _started[-1].poll() is not None or time.monotonic() > end:
-            raise KeptPoolError(f"the kept pool did not start: see {path[:-len('.sock')]}.log")
-        time.sleep(0.01)
+    sock = _listening(_started[-1], path)
+    if sock is None:
+        raise KeptPoolError(f"the kept pool did not start: see {path[:-len('.sock')]}.log")
     return sock
 
 
@@ -315,11 +334,7 @@ def request(root: str, idle: float, kept_preload: list[str], message: dict, fds)
     message = dict(message, op="run", fingerprint=fingerprint(), preload_kept=kept_preload, idle=idle)
     for _ in range(3):
         with _locked(path[:-len(".sock")] + ".lock"):
-            sock = _connect(path)
-            if sock is None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)  # a keeper killed outright leaves its socket
-                sock = _start(path, idle, kept_preload)
+            sock = _connect_or_start(path, lambda: _start(path, idle, kept_preload))
             sock.settimeout(CONNECT_TIMEOUT)
             try:
                 send(sock, message, fds)
@@ -565,11 +580,7 @@ class RunKeeperClient:
         message = dict(message, op="run", fingerprint=self._own, preload_kept=kept_preload, idle=None)
         for _ in range(3):
             with _locked(path[:-len(".sock")] + ".lock"):
-                sock = _connect(path)
-                if sock is None:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(path)  # a keeper killed outright leaves its socket
-                    sock = self._start(path, kept_preload)
+                sock = _connect_or_start(path, lambda: self._start(path, kept_preload))
                 try:
                     send(sock, message, fds)
                 except OSError:  # it retired meanwhile: start another
@@ -584,11 +595,9 @@ class RunKeeperClient:
         self._log = tempfile.TemporaryFile()
         self._proc = spawn_keeper({"path": path, "preload": preload, "parent": os.getpid(), "own": self._own},
                                   self._log)
-        end = time.monotonic() + 60
-        while (sock := _connect(path)) is None:  # it binds and listens before it imports
-            if self._proc.poll() is not None or time.monotonic() > end:
-                raise KeptPoolError(f"the xdist run's keeper did not start: {self.log()}")
-            time.sleep(0.01)
+        sock = _listening(self._proc, path)
+        if sock is None:
+            raise KeptPoolError(f"the xdist run's keeper did not start: {self.log()}")
         return sock
 
     def close(self, grace: float = 30.0) -> None:
