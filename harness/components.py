@@ -114,7 +114,8 @@ CKPT = Component(
 )
 
 # ---- whole models (harness.model): harness/examples/<name>.py, each a ModelCase and its parallelize functions ----
-TITAN = model_component("titan", "harness.examples.titan:CASE", impls=("titan", "interleaved"))
+TITAN = model_component("titan", "harness.examples.titan:CASE", impls=("titan", "interleaved"),
+                        preload=("torch.distributed.pipelining",))  # its pipeline() imports it inside
 # the same model in FSDP2's mixed precision (bf16 parameters in compute, fp32 reduction and step)
 TITANMP = model_component("titanmp", "harness.examples.titan:MIXED", impls=("fsdpmp",))
 # the project's own five components in one transformer; ten steps of ~50 collectives each on 8 gloo

@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
@@ -207,6 +206,10 @@ def split(model: Transformer, stages: int) -> list[Transformer]:
 def pipeline(model: Transformer, meshes, interleaved: bool, **stage_args) -> Pipelined:
     """torchtitan's ``pipeline_llama``: this rank's stages (loop style: rank r holds stages r and
     r + pp), each parallelized, and the schedule over them."""
+    # here, not at the top: it imports torch._dynamo (0.6 s), which pytest processes that collect these
+    # cells never need; the pools preload it (TITAN's registration)
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
     pp = meshes.spec.pp
     per_rank = 2 if interleaved else 1
     total = pp * per_rank
