@@ -99,7 +99,7 @@ def import_graph(root: Path) -> dict[str, set[str]]:
 def _targets(tree: ast.AST, package: str) -> list[str]:
     """The dotted names ``tree``'s imports name (``from a import b``: ``a.b`` and ``a``)."""
     out = []
-    for node in ast.walk(tree):
+    for node in _statements(tree.body):
         if isinstance(node, ast.Import):
             out += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -107,6 +107,17 @@ def _targets(tree: ast.AST, package: str) -> list[str]:
             stem = ".".join(base + ([node.module] if node.module else []))
             out += [stem] + [f"{stem}.{alias.name}" for alias in node.names]
     return out
+
+
+def _statements(body: list[ast.stmt]):
+    """Every statement of ``body``, at any depth (an import is a statement, so the expressions, most of
+    a tree's nodes, need no visit)."""
+    todo = list(body)
+    while todo:
+        node = todo.pop()
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):  # handlers', cases' own bodies too
+            todo += getattr(node, field, ())
 
 
 def _known(dotted: str, known) -> list[str]:
