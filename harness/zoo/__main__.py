@@ -164,11 +164,12 @@ def reproduce(library: str, cell: str, model: str, imports: tuple[str, ...] = ()
     return command
 
 
-def annotate(found: list[dict], library: str, imports: tuple[str, ...] = ()) -> list[dict]:
-    """Each row with its model's own name (``model``) and, where it did not pass, the command that
-    reproduces it (``reproduce``)."""
+def annotate(found: list[dict], library: str, imports: tuple[str, ...] = (),
+             models: list[str] | None = None) -> list[dict]:
+    """Each row with its model's own name (``model``: of ``models``, the run's ``--only``, or of every model
+    the zoo has) and, where it did not pass, the command that reproduces it (``reproduce``)."""
     zoo = _zoo(library)
-    named = {zoo.name_of(m): m for m in _models(library)}
+    named = {zoo.name_of(m): m for m in models or _models(library)}
     for r in found:
         model = named.get(r["cell"].split("-")[0], r["cell"].split("-")[0])
         r["model"] = model
@@ -299,6 +300,13 @@ def _models(library: str) -> list[str]:
     return list(zoo.CONFIGS) if library in FRAMEWORKS else zoo.architectures()
 
 
+def _unknown(library: str, only: list[str]) -> list[str]:
+    """Those of ``only`` that ``--only`` may not name (:func:`_models`), each model type checked alone."""
+    zoo = _zoo(library)
+    return [m for m in only if m not in zoo.CONFIGS] if library in FRAMEWORKS else [
+        m for m in only if not zoo.has_plan(m)]
+
+
 def _zoo(library: str):
     """The zoo module of ``library`` (its ``PLANS``, ``zoo_cells``, ``version``): the glue for its installed
     release where the zoo has one per release (``glue()``)."""
@@ -341,7 +349,7 @@ def run(args) -> int:
         if imports:  # the user's modules, from where the user runs the zoo
             env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])
         done = subprocess.run(command, cwd=project, env=env)
-    found = annotate(rows(junit), library, imports) if junit.exists() else []
+    found = annotate(rows(junit), library, imports, only) if junit.exists() else []
     if done.returncode not in (0, 1) or not found:
         print(f"the zoo's pytest run ended with {done.returncode} and judged no cell (its output is above)",
               file=sys.stderr)
@@ -413,10 +421,11 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as error:  # noqa: BLE001  the user's module: whatever it raises is the line
             zoos[args.command].error(f"--import {module}: {type(error).__name__}: {error} (give a module importable "
                                      "from this directory or installed, e.g. --import mypkg.zoo_models)")
-    # the model types are read only to check an --only (transformers': every config class imported, seconds)
+    # each model --only names is checked alone; every model type is read only to word the error
+    # (transformers': every config class imported, seconds)
     only = [m for m in args.only.split(",") if m]
-    models = _models(args.command) if only else []
-    if bad := [m for m in only if m not in models]:
+    if bad := _unknown(args.command, only):
+        models = _models(args.command)
         near = {m: difflib.get_close_matches(m, models, n=1) for m in bad}
         zoos[args.command].error(
             "--only: unknown " + ", ".join(f"{m} (did you mean {near[m][0]}?)" if near[m] else m for m in bad)

@@ -256,18 +256,23 @@ class Unbuildable(Exception):
 
 def architectures(plan: str | None = None) -> list[str]:
     """The model types of the installed transformers whose config ships a ``base_model_<plan>_plan``
-    (``plan`` None: a TP or an EP plan)."""
+    (``plan`` None: a TP or an EP plan). Imports every config class: seconds, where
+    :func:`has_plan` of a few model types imports theirs alone."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    found = []
-    for model_type in CONFIG_MAPPING.keys():
-        try:
-            config_class = CONFIG_MAPPING[model_type]
-        except Exception:  # noqa: BLE001  a config whose module cannot import (a missing extra)
-            continue
-        if shipped(config_class) & ({plan} if plan else {"tp", "ep"}):
-            found.append(model_type)
-    return sorted(found)
+    return sorted(m for m in CONFIG_MAPPING.keys() if has_plan(m, plan))
+
+
+def has_plan(model_type: str, plan: str | None = None) -> bool:
+    """Whether ``model_type``'s config ships a ``base_model_<plan>_plan`` (``plan`` None: a TP or an EP
+    plan); False for a model type transformers does not know or whose config cannot import."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        config_class = CONFIG_MAPPING[model_type]
+    except Exception:  # noqa: BLE001  unknown (KeyError), or a config whose module cannot import (a missing extra)
+        return False
+    return bool(shipped(config_class) & ({plan} if plan else {"tp", "ep"}))
 
 
 def shipped(config_class) -> set[str]:
