@@ -233,6 +233,31 @@ def test_a_namespace_package_or_a_library_put_first_on_the_path_is_what_the_next
 
 
 @pytest.mark.slow
+def test_a_library_that_a_preloaded_module_imports_is_the_copy_the_runs_path_finds(box):
+    """The keeper imports what a run asks it to preload, and with it what those modules import, from
+    the keeper's own path: a run whose path finds one of those elsewhere (a patched copy put first on
+    PYTHONPATH, as the Megatron zoo's planted bugs are) must get that copy. The keeper here was started
+    by a run that imported neither; the next run's project imports jinja2, which imports markupsafe,
+    patched on that run's path alone: not a module the keeper held, nor one the run asked for."""
+    import markupsafe
+
+    patched = box["root"] / "patched"
+    shutil.copytree(os.path.dirname(markupsafe.__file__), patched / "markupsafe")
+    project = make_project(box["root"] / "project")
+    env = dict(box["env"], PARITYTEST_KEEP_POOL="120")
+    assert pytest_in(project, env, "-k", ONE_CELL).returncode == 0
+    seen = box["root"] / "seen.txt"
+    impl = project / "mypkg" / "tp_impl.py"
+    impl.write_text("import os\nimport jinja2  # third-party: the kept pool imports it, and markupsafe with it\n"
+                    "import markupsafe\nopen(os.environ['SEEN'], 'a').write(markupsafe.__file__ + '\\n')\n"
+                    + impl.read_text())
+    done = pytest_in(project, dict(env, SEEN=str(seen), PYTHONPATH=str(patched)), "-k", ONE_CELL)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert set(seen.read_text().split()) == {str(patched / "markupsafe" / "__init__.py")}, seen.read_text()
+    pytest_in(project, env, "--stop-pool")
+
+
+@pytest.mark.slow
 def test_a_kept_pool_exits_after_its_idle_timeout_and_leaves_nothing(box):
     project = make_project(box["root"] / "project")
     env = dict(box["env"], PARITYTEST_KEEP_POOL="15")

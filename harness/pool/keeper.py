@@ -176,9 +176,17 @@ class Keeper:
     def _stale_for(self, message: dict) -> bool:
         """Whether this keeper's image is not what the run would import: the harness or the installed
         packages changed (the fingerprint), or a module it holds (or is asked to preload) is found
-        elsewhere on the run's ``sys.path`` (a patched copy of a library put first on PYTHONPATH)."""
-        return message.get("fingerprint") != self.own or shadowed(message.get("path", []),
-                                                                  message.get("preload_kept", ())) is not None
+        elsewhere on the run's ``sys.path`` (a patched copy of a library put first on PYTHONPATH).
+        Checked again once the modules asked for are imported: they import others from this keeper's
+        path (a harness module imports Megatron-Core, jinja2 imports markupsafe), which no name in
+        the request says."""
+        from .rank import preload
+
+        path, wanted = message.get("path", []), message.get("preload_kept", ())
+        if message.get("fingerprint") != self.own or shadowed(path, wanted) is not None:
+            return True
+        preload(wanted)
+        return shadowed(path) is not None
 
     def _fork_run(self, conn: socket.socket, message: dict, fds: list[int]) -> None:
         from .rank import preload, refresh_baseline
