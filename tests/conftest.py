@@ -24,24 +24,43 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # torch (and transformers) anew each time, seconds of the CPU that the suite's time is made of. Each
 # run's projects share a kept pool instead (one keeper per xdist worker, in a runtime directory of the
 # run's own, stopped when the run ends); a test about the pool itself runs without it (``own_pool_env``).
+# Each worker's projects get a scope of their own: a project run with ``-n 2`` names its workers gw0
+# and gw1, and under one scope for the run would take the keepers of the suite's gw0 and gw1, replacing
+# them under the tests running there (in one run of the suite, gw0's keeper started 11 times, gw1's 15,
+# gw2's, whose name no project's worker takes, 3).
 KEPT_POOL_ENV = (kept.ENV, kept.SCOPE_ENV)
+_SCOPE_KEY = "paritytest_kept_scope"  # the run's scope, handed to its xdist workers
+_KEPT_SCOPE = pytest.StashKey[str]()
 
 
 def _share_a_kept_pool(config) -> None:
     import shutil
     import tempfile
 
-    if os.environ.get(kept.SCOPE_ENV) or hasattr(config, "workerinput"):
-        return  # an xdist worker inherits its controller's; a user's own setting is kept
+    if hasattr(config, "workerinput"):
+        scope = config.workerinput.get(_SCOPE_KEY)
+        if scope:
+            os.environ[kept.SCOPE_ENV] = f"{scope}-{config.workerinput['workerid']}"
+        return
+    if os.environ.get(kept.SCOPE_ENV):
+        return  # a user's own setting is kept
     # XDG_RUNTIME_DIR, not the temp directory: the tests give each project a TMPDIR of its own
     runtime = tempfile.mkdtemp(prefix="ptk-", dir="/tmp")  # short: a socket's path holds 108 bytes
-    os.environ.update({kept.ENV: "300", kept.SCOPE_ENV: f"tests-{os.getpid()}", "XDG_RUNTIME_DIR": runtime})
+    config.stash[_KEPT_SCOPE] = scope = f"tests-{os.getpid()}"
+    os.environ.update({kept.ENV: "300", kept.SCOPE_ENV: scope, "XDG_RUNTIME_DIR": runtime})
 
     def stop() -> None:
         kept.stop(None)  # every keeper in the run's own runtime directory
         shutil.rmtree(runtime, ignore_errors=True)
 
     config.add_cleanup(stop)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: the run's scope to each of its workers
+def pytest_configure_node(node) -> None:
+    scope = node.config.stash.get(_KEPT_SCOPE, None)
+    if scope:
+        node.workerinput[_SCOPE_KEY] = scope
 
 
 def own_pool_env(env: dict[str, str]) -> dict[str, str]:
