@@ -26,8 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # run's own, stopped when the run ends); a test about the pool itself runs without it (``own_pool_env``).
 # Each worker's projects get a scope of their own: a project run with ``-n 2`` names its workers gw0
 # and gw1, and under one scope for the run would take the keepers of the suite's gw0 and gw1, replacing
-# them under the tests running there (in one run of the suite, gw0's keeper started 11 times, gw1's 15,
-# gw2's, whose name no project's worker takes, 3).
+# them under the tests running there (isolation, not speed: a run starts as many keepers either way).
 KEPT_POOL_ENV = (kept.ENV, kept.SCOPE_ENV)
 _SCOPE_KEY = "paritytest_kept_scope"  # the run's scope, handed to its xdist workers
 _KEPT_SCOPE = pytest.StashKey[str]()
