@@ -17,12 +17,14 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..commands import rerun_command
 from ..config import Config, ConfigError
 from .store import GoldenError, golden_path, read_golden, update_command
+
+if TYPE_CHECKING:
+    import torch
 
 SUFFIX = ".safetensors"
 
@@ -31,9 +33,9 @@ class GitError(Exception):
     pass
 
 
-def _git(root: Path, *args: str) -> bytes:
+def _git(root: Path, *args: str, given: bytes | None = None) -> bytes:
     try:
-        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True)
+        done = subprocess.run(["git", "-C", str(root), *args], input=given, capture_output=True)
     except FileNotFoundError:
         raise GitError("git is not installed (diff compares golden files with a git revision): install git") from None
     if done.returncode:
@@ -119,6 +121,8 @@ def _tolerances(stem: str):
 
 def compare_tensors(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], stem: str) -> list[TensorChange]:
     """Every tensor that differs between two versions of one golden file, largest change first."""
+    import torch
+
     from ..compare.diff import compare
 
     tol = _tolerances(stem)
@@ -146,11 +150,15 @@ def compare_tensors(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], 
 
 def diff(root: Path, base: str, golden: str = "golden") -> list[FileChange]:
     """Golden files added, removed and changed between ``base`` and the working tree."""
-    listed = _git(root, "ls-tree", "-r", "-z", "--name-only", base, "--", golden).decode()
-    before = {p for p in listed.split("\0") if p.endswith(SUFFIX)}
-    now = {str(p.relative_to(root)) for p in (root / golden).rglob(f"*{SUFFIX}")}
+    before = blob_ids(root, base, golden)
+    now = sorted(str(p.relative_to(root)) for p in (root / golden).rglob(f"*{SUFFIX}"))
+    # the working tree's bytes hashed as git hashes a blob, all in one process: a file whose id is
+    # the base's is byte for byte the base's, and only the others are read from git and compared
+    both = [path for path in now if path in before]
+    ids = _git(root, "hash-object", "--no-filters", "--stdin-paths", given="".join(f"{p}\n" for p in both).encode())
+    same = {path for path, id_ in zip(both, ids.decode().split()) if before[path] == id_}
     changes = []
-    for path in sorted(before | now):
+    for path in sorted(before.keys() | set(now)):
         stem = Path(path).name[: -len(SUFFIX)]
         if path not in before:
             changes.append(FileChange(path, "added"))
@@ -158,9 +166,9 @@ def diff(root: Path, base: str, golden: str = "golden") -> list[FileChange]:
         if path not in now:
             changes.append(FileChange(path, "removed"))
             continue
-        old_bytes, new_bytes = _git(root, "show", f"{base}:{path}"), (root / path).read_bytes()
-        if old_bytes == new_bytes:
+        if path in same:
             continue
+        old_bytes, new_bytes = _git(root, "cat-file", "blob", before[path]), (root / path).read_bytes()
         try:
             tensors = compare_tensors(_load(old_bytes), _load(new_bytes), stem)
         except Exception as error:  # noqa: BLE001  a corrupt file is a change to report, not a crash
@@ -169,6 +177,17 @@ def diff(root: Path, base: str, golden: str = "golden") -> list[FileChange]:
         changes.append(FileChange(path, "changed", tensors,
                                   note="" if tensors else "tensors bit-identical; metadata changed"))
     return changes
+
+
+def blob_ids(root: Path, rev: str, golden: str) -> dict[str, str]:
+    """The golden files of ``rev`` under ``golden``: path (from the repository root) -> blob id."""
+    listed = _git(root, "ls-tree", "-r", "-z", "--full-tree", rev, "--", golden).decode()
+    ids = {}
+    for entry in filter(None, listed.split("\0")):
+        info, path = entry.split("\t", 1)  # "<mode> blob <id>\t<path>"
+        if path.endswith(SUFFIX) and info.split()[1] == "blob":
+            ids[path] = info.split()[2]
+    return ids
 
 
 def _yes_no(value: bool | None) -> str:

@@ -11,10 +11,12 @@ import os
 import platform
 import tempfile
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..config import Config
+
+if TYPE_CHECKING:
+    import torch
 
 META_KEY = "harness"
 
@@ -33,6 +35,8 @@ def update_command(rerun: str) -> str:
 
 
 def metadata(cfg: Config, tolerance: str, backend: str) -> dict[str, str]:
+    import torch
+
     return {
         "config": cfg.id,
         "torch": torch.__version__,
