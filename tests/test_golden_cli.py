@@ -118,9 +118,12 @@ def test_diff_finds_the_base_of_a_repository_whose_default_branch_is_master(tmp_
     assert done.returncode == 0 and done.stdout.startswith("no golden file changed since "), done.tail
 
 
-def test_diff_on_an_unchanged_tree_says_so(clone):
-    done = clone.harness("golden", "diff")
-    assert done.returncode == 0 and done.stdout.startswith("no golden file changed since ")
+def test_diff_on_an_unchanged_tree_says_so_without_importing_torch(clone):
+    # the gate's common case, on every pull request: nothing to compare, so no torch (2 s) to import
+    done = clone.run("python", "-X", "importtime", "-m", "harness.golden", "diff")
+    assert done.returncode == 0 and done.stdout.startswith("no golden file changed since "), done.tail
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "harness.golden.store" in imported and "torch" not in imported, sorted(imported)
 
 
 CASES = '''
