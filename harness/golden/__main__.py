@@ -151,14 +151,14 @@ def compare_tensors(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], 
 def diff(root: Path, base: str, golden: str = "golden") -> list[FileChange]:
     """Golden files added, removed and changed between ``base`` and the working tree."""
     before = blob_ids(root, base, golden)
-    now = sorted(str(p.relative_to(root)) for p in (root / golden).rglob(f"*{SUFFIX}"))
+    now = {str(p.relative_to(root)) for p in (root / golden).rglob(f"*{SUFFIX}")}
     # the working tree's bytes hashed as git hashes a blob, all in one process: a file whose id is
     # the base's is byte for byte the base's, and only the others are read from git and compared
-    both = [path for path in now if path in before]
+    both = sorted(now & before.keys())
     ids = _git(root, "hash-object", "--no-filters", "--stdin-paths", given="".join(f"{p}\n" for p in both).encode())
     same = {path for path, id_ in zip(both, ids.decode().split()) if before[path] == id_}
     changes = []
-    for path in sorted(before.keys() | set(now)):
+    for path in sorted(before.keys() | now):
         stem = Path(path).name[: -len(SUFFIX)]
         if path not in before:
             changes.append(FileChange(path, "added"))
@@ -185,8 +185,9 @@ def blob_ids(root: Path, rev: str, golden: str) -> dict[str, str]:
     ids = {}
     for entry in filter(None, listed.split("\0")):
         info, path = entry.split("\t", 1)  # "<mode> blob <id>\t<path>"
-        if path.endswith(SUFFIX) and info.split()[1] == "blob":
-            ids[path] = info.split()[2]
+        _, kind, id_ = info.split()
+        if path.endswith(SUFFIX) and kind == "blob":
+            ids[path] = id_
     return ids
 
 
