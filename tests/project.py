@@ -23,6 +23,11 @@ ROOT = Path(__file__).resolve().parent.parent
 PYTEST = ("-m", "pytest", "-q", "-p", "no:cacheprovider")
 
 
+def imported_modules(stderr: str) -> set[str]:
+    """The modules a ``python -X importtime`` process imported, read from its ``stderr``."""
+    return {line.rsplit("|", 1)[-1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
+
+
 class Run(subprocess.CompletedProcess):
     """A finished command: ``returncode``, ``stdout``, ``stderr``, and what a failed assertion shows."""
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from harness.config import Config
 from harness.golden.store import META_KEY
 from harness.resolve import resolve
-from tests.project import ROOT, UserProject
+from tests.project import ROOT, UserProject, imported_modules
 
 
 def git(cwd, *args):
@@ -122,7 +122,7 @@ def test_diff_on_an_unchanged_tree_says_so_without_importing_torch(clone):
     # the gate's common case, on every pull request: nothing to compare, so no torch (2 s) to import
     done = clone.run("python", "-X", "importtime", "-m", "harness.golden", "diff")
     assert done.returncode == 0 and done.stdout.startswith("no golden file changed since "), done.tail
-    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    imported = imported_modules(done.stderr)
     assert "harness.golden.store" in imported and "torch" not in imported, sorted(imported)
 
 

@@ -17,6 +17,7 @@ from harness.report.junit import read
 from reference.tp import SIZES
 
 from .checkout import copy_checkout
+from .project import imported_modules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -145,7 +146,7 @@ def test_a_project_whose_tests_use_no_cell_does_not_import_torch(user_project):
     for args in ([], ["--help"], ["--backend", "mpi"]):
         done = user_project.run("python", "-X", "importtime", "-m", "pytest", "-p", "no:cacheprovider", *args)
         assert done.returncode in (0, 4), done.tail
-        imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+        imported = imported_modules(done.stderr)
         # harness.options: the plugin loaded (pytest's assertion rewriter imports the plugin module itself unlogged)
         assert "harness.options" in imported and "torch" not in imported, (args, sorted(m for m in imported if "harness" in m))
 

@@ -10,6 +10,7 @@ from harness.registry import get, preload_modules, register_implementation, unre
 from harness.resolve import resolve
 from harness.parallel import thirdparty, thirdparty_moe
 from reference.tp import SIZES
+from tests.project import imported_modules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -250,7 +251,7 @@ def test_a_transformers_model_cell_runs_without_the_pytest_process_importing_tra
                            "-p", "no:randomly", "--pool-size", "2"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
-    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    imported = imported_modules(done.stderr)
     assert "torch" in imported  # the lines are there to read
     assert not {m for m in imported if m == "transformers" or m.startswith("transformers.")}, \
         sorted(m for m in imported if m.startswith("transformers"))[:5]
